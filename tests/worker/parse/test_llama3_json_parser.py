@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from worker.parse.llama3_json import Llama3JsonParser
+
+WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+
+# (text, content, calls)
+CASES = [
+    ("The answer is 4.", "The answer is 4.", []),
+    ("", "", []),
+    (WEATHER, None, [("get_weather", {"city": "Paris"})]),
+    ("\n  " + WEATHER + "\n", None, [("get_weather", {"city": "Paris"})]),
+    ("<|python_tag|>" + WEATHER, None, [("get_weather", {"city": "Paris"})]),
+    ("<|python_tag|>\n" + TIME, None, [("get_time", {"tz": "UTC"})]),
+    (WEATHER + "; " + TIME, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]),
+    (WEATHER + ";" + TIME + ";", None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]),
+    ('{"name": "f", "parameters": {}}', None, [("f", {})]),
+    (
+        '{"name":"f","parameters":{"s":"日本 \\u00e9","n":[1,2.5,null]}}',
+        None,
+        [("f", {"s": "日本 é", "n": [1, 2.5, None]})],
+    ),
+    # JSON that is not (only) calls is content.
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
+    (WEATHER + " is how I would call it", WEATHER + " is how I would call it", []),
+    (WEATHER + " " + TIME, WEATHER + " " + TIME, []),
+    ('{"name": "f", "parameters": {', '{"name": "f", "parameters": {', []),
+    ('[{"name": "f", "parameters": {}}]', '[{"name": "f", "parameters": {}}]', []),
+    ("Call " + WEATHER, "Call " + WEATHER, []),
+    ("<|python_stuff|>", "<|python_stuff|>", []),
+    ("<|python_tag|>", "<|python_tag|>", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_llama3_json(check, text, content, calls):
+    check(Llama3JsonParser, text, content, None, calls)
+
+
+def test_unknown_tool_name_stays_content(check):
+    check(lambda: Llama3JsonParser({"search"}), WEATHER, WEATHER)
+
+
+def test_plain_text_streams_at_once():
+    parser = Llama3JsonParser()
+    assert parser.feed("Hel").content == "Hel"
+    assert parser.feed("lo").content == "lo"

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+
+from worker.parse.pythonic import PythonicParser
+
+# (text, content, calls)
+CASES = [
+    ("Paris is sunny.", "Paris is sunny.", []),
+    ('[get_weather(city="Paris")]', None, [("get_weather", {"city": "Paris"})]),
+    ('\n [get_weather(city="Paris")]\n', None, [("get_weather", {"city": "Paris"})]),
+    ("[ping()]", None, [("ping", {})]),
+    (
+        "[get_weather(city='Paris', days=3), search(q=\"x\", limit=10, ratio=-0.5, tags=['a', 'b'],"
+        " opts={'deep': True, 'n': None}, pair=(1, 2), off=False)]",
+        None,
+        [
+            ("get_weather", {"city": "Paris", "days": 3}),
+            (
+                "search",
+                {
+                    "q": "x",
+                    "limit": 10,
+                    "ratio": -0.5,
+                    "tags": ["a", "b"],
+                    "opts": {"deep": True, "n": None},
+                    "pair": [1, 2],
+                    "off": False,
+                },
+            ),
+        ],
+    ),
+    ('[f(s="Zürich 日本 🌧", e="\\u00e9")]', None, [("f", {"s": "Zürich 日本 🌧", "e": "é"})]),
+    # Looks like a call but is not a whole list of literal keyword calls: content.
+    ('get_weather(city="Paris")', 'get_weather(city="Paris")', []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ("[f(x)]", "[f(x)]", []),
+    ("[f(x=y)]", "[f(x=y)]", []),
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[os.system(cmd='ls')]", "[os.system(cmd='ls')]", []),
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),
+    ("[f(x=1)] and then", "[f(x=1)] and then", []),
+    ("[f(x=1), 2]", "[f(x=1), 2]", []),
+    ("[f(x=1", "[f(x=1", []),
+    ("[link](http://x)", "[link](http://x)", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_pythonic(check, text, content, calls):
+    check(PythonicParser, text, content, None, calls)
+
+
+def test_unknown_tool_name_stays_content(check):
+    check(lambda: PythonicParser({"search"}), "[f(x=1)]", "[f(x=1)]")
+    check(lambda: PythonicParser({"f"}), "[f(x=1)]", None, None, [("f", {"x": 1})])

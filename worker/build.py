@@ -1,0 +1,51 @@
+"""Assembles a worker's pieces from the settings: model, KV cache size, engine, runner."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+import torch
+from tokenizers import Tokenizer
+
+from shared.settings import Settings
+from worker.engine import Engine
+from worker.forward import KVCache
+from worker.model import ensure_model_dir, load_model
+from worker.publish import Publisher
+from worker.render import Renderer
+from worker.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def kv_cache_tokens(settings: Settings, model: torch.nn.Module, max_model_len: int) -> int:
+    if settings.kv_cache_tokens:
+        return settings.kv_cache_tokens
+    param = next(model.parameters())
+    per_token = KVCache.bytes_per_token(model.config, param.dtype)
+    if param.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(param.device)
+        budget = int(free * 0.8)
+    else:
+        # On CPU the cache shares RAM with everything else: 64 full-length sequences, or 2 GiB, whichever is less.
+        budget = min(2 << 30, 64 * max_model_len * per_token)
+    return max(budget // per_token, max_model_len)
+
+
+def build_runner(settings: Settings, client: redis.Redis) -> Runner:
+    path = ensure_model_dir(settings)
+    model = load_model(settings)
+    max_model_len = settings.max_model_len or model.config.max_position_embeddings
+    kv_tokens = kv_cache_tokens(settings, model, max_model_len)
+    engine = Engine(
+        model,
+        kv_tokens=kv_tokens,
+        block_size=settings.kv_block_size,
+        prefill_chunk=settings.prefill_chunk,
+        max_model_len=max_model_len,
+    )
+    log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
+    renderer = Renderer(path)
+    tokenizer: Tokenizer = renderer.tokenizer
+    return Runner(engine, tokenizer, renderer.eos_token_ids, Publisher(client, settings), max_model_len)

@@ -1,0 +1,93 @@
+"""The Celery worker: one process, one model, one engine; each task thread holds one job until it ends.
+
+Run as `celery -A worker.celery_app worker -P threads` (what `chatq worker` does). The threads pool keeps a single
+process, and so a single copy of the model, while many jobs run at once and share the engine's batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from celery import signals
+
+from shared import keys
+from shared.jobs import CLAIM
+from shared.protocol import Job
+from shared.queue import GENERATE_TASK, make_celery
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+settings = Settings()
+app = make_celery(settings)
+
+
+@dataclass
+class WorkerState:
+    redis: redis.Redis
+    runner: object
+    name: str = ""
+
+
+_state: WorkerState | None = None
+_heartbeat_stop = threading.Event()
+
+
+@signals.worker_init.connect
+def _load(sender=None, **_kwargs) -> None:
+    global _state
+    from worker.build import build_runner
+
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    runner = build_runner(settings, client)
+    runner.start()
+    _state = WorkerState(client, runner, getattr(sender, "hostname", "worker"))
+
+
+@signals.worker_ready.connect
+def _ready(sender=None, **_kwargs) -> None:
+    assert _state is not None
+    _state.name = getattr(sender, "hostname", _state.name)
+    threading.Thread(target=_heartbeat, args=(_state,), name="chatq-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _shutdown(**_kwargs) -> None:
+    _heartbeat_stop.set()
+    if _state is not None:
+        _state.redis.zrem(keys.workers(settings.model_name), _state.name)
+        _state.runner.stop()
+
+
+def _heartbeat(state: WorkerState) -> None:
+    """Keeps this worker in the model's live-worker registry, which /health and schedulers read."""
+    key = keys.workers(settings.model_name)
+    while not _heartbeat_stop.is_set():
+        try:
+            now = time.time()
+            pipe = state.redis.pipeline(transaction=False)
+            pipe.zadd(key, {state.name: now})
+            pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("heartbeat failed", exc_info=True)
+        _heartbeat_stop.wait(settings.worker_ttl / 3)
+
+
+@app.task(name=GENERATE_TASK)
+def generate(job_id: str) -> str:
+    assert _state is not None, "worker_init did not run"
+    r = _state.redis
+    claimed = r.eval(
+        CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id
+    )
+    if not claimed:  # cancelled while queued, expired, or already held by another worker
+        return "skipped"
+    job = Job.from_redis(r.hgetall(keys.job(job_id)))
+    run = _state.runner.submit(job)
+    run.done.wait()
+    return run.status.value if run.status else "unknown"

@@ -1,0 +1,313 @@
+"""The batched generation engine: add / step / cancel.
+
+Continuous batching over a paged KV cache. Each step runs one forward pass holding one token of every running
+sequence plus prompt chunks of newcomers (at most `prefill_chunk` prompt tokens a step, so running streams keep
+flowing while a long prompt is processed). Cache blocks are taken as sequences grow; when none are left, the
+newest running sequence is preempted (its blocks freed, its tokens recomputed later), so memory, not a batch size,
+bounds how many sequences run, and a sequence that finds no room waits instead of failing.
+
+`add` and `cancel` may be called from any thread; `step` from one thread only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from worker.forward import Batch, KVCache, PagedForward
+from worker.sampler import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+
+class Finish(StrEnum):
+    stop = "stop"  # EOS or a stop token id
+    length = "length"  # max_tokens or the model's context
+    cancelled = "cancelled"
+    error = "error"
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V is in the cache
+    blocks: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish: Finish | None = None
+    error: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Output:
+    """What one step produced for one sequence: a new token, a finish, or both."""
+
+    seq: Sequence
+    token: int | None
+    finish: Finish | None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        kv_tokens: int,
+        block_size: int,
+        prefill_chunk: int,
+        max_model_len: int,
+    ):
+        config = model.config
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        num_blocks = max(kv_tokens // block_size, -(-max_model_len // block_size))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.cache = KVCache(
+            config.num_hidden_layers, num_blocks * block_size, kv_heads, head_dim, dtype, self.device
+        )
+        self.forward = PagedForward(model, self.cache)
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.prefill_chunk = prefill_chunk
+        self.max_model_len = max_model_len
+
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._cancels: set[str] = set()
+        self._order = itertools.count()
+        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (-priority, arrival, seq)
+        self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.wakeup = threading.Event()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.k[0].shape[0] // self.block_size
+
+    # --- public surface --------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        with self._lock:
+            self._inbox.append(seq)
+        self.wakeup.set()
+
+    def cancel(self, seq_id: str) -> None:
+        with self._lock:
+            self._cancels.add(seq_id)
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.waiting or self.running or self._inbox or self._cancels)
+
+    def step(self) -> list[Output]:
+        outputs = self._take_inbox()
+        scheduled = self._schedule()
+        if not scheduled:
+            return outputs
+        batch, emitting = self._build_batch(scheduled)
+        try:
+            logits = self.forward(batch)
+        except Exception as e:  # the forward pass is shared: if it breaks, every sequence in it failed
+            log.exception("forward pass failed")
+            for seq, _ in scheduled:
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.error, f"generation failed: {e}"))
+            return outputs
+        for seq, n in scheduled:
+            seq.num_cached += n
+        if emitting:
+            outputs.extend(self._sample(emitting, logits))
+        return outputs
+
+    # --- scheduling ------------------------------------------------------------------------------------
+
+    def _take_inbox(self) -> list[Output]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        for seq in inbox:
+            heapq.heappush(self.waiting, (-seq.priority, next(self._order), seq))
+        outputs = []
+        if cancels:
+            for seq in [s for s in self.running if s.id in cancels]:
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.cancelled))
+            kept = [w for w in self.waiting if w[2].id not in cancels]
+            for _, _, seq in self.waiting:
+                if seq.id in cancels:
+                    outputs.append(self._finish(seq, Finish.cancelled))
+            if len(kept) != len(self.waiting):
+                self.waiting = kept
+                heapq.heapify(self.waiting)
+        return outputs
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self._blocks_for(num_tokens) - len(seq.blocks)
+        if need > len(self.free_blocks):
+            return False
+        seq.blocks.extend(self.free_blocks.popleft() for _ in range(max(need, 0)))
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.free_blocks.extend(seq.blocks)
+        seq.blocks = []
+        seq.num_cached = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        heapq.heappush(self.waiting, (-seq.priority, next(self._order), seq))
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Picks (sequence, number of new tokens to feed) for this step, taking cache blocks as needed."""
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        budget = self.prefill_chunk
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below by an older sequence
+                continue
+            todo = len(seq) - seq.num_cached
+            n = 1 if todo == 1 else min(todo, budget)
+            if n == 0:
+                continue
+            while not self._grow(seq, seq.num_cached + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            if todo == 1:
+                decodes.append((seq, 1))
+            else:
+                prefills.append((seq, n))
+                budget -= n
+        # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue.
+        while self.waiting and budget > 0:
+            seq = self.waiting[0][2]
+            todo = len(seq) - seq.num_cached
+            n = min(todo, budget)
+            # Keep a block per running sequence in reserve so admitting one does not preempt another next step.
+            if self._blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running) > len(
+                self.free_blocks
+            ):
+                break
+            heapq.heappop(self.waiting)
+            self._grow(seq, seq.num_cached + n)
+            self.running.append(seq)
+            prefills.append((seq, n))
+            budget -= n
+        return decodes + prefills
+
+    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_at: list[int] = []
+        emitting: list[Sequence] = []
+        dec_ctx: list[list[int]] = []
+        prefills = []
+        num_decode = 0
+        for seq, n in scheduled:
+            start = len(ids)
+            tokens = seq.tokens
+            new = range(seq.num_cached, seq.num_cached + n)
+            ids.extend(tokens[i] for i in new)
+            pos.extend(new)
+            seq_slots = [seq.blocks[i // bs] * bs + i % bs for i in range(seq.num_cached + n)]
+            slots.extend(seq_slots[seq.num_cached :])
+            if seq.num_cached + n == len(tokens):
+                logits_at.append(start + n - 1)
+                emitting.append(seq)
+            if n == 1 and seq.num_cached + 1 == len(tokens) and not prefills:
+                num_decode += 1
+                dec_ctx.append(seq_slots)
+            else:
+                total = seq.num_cached + n
+                ctx = torch.tensor(seq_slots, device=dev)
+                # Query i sits at position num_cached + i and sees every key up to and including itself.
+                mask = (
+                    torch.arange(total, device=dev)[None, :]
+                    <= torch.arange(seq.num_cached, total, device=dev)[:, None]
+                )
+                prefills.append((start, start + n, ctx, mask))
+        dec_ctx_t = dec_mask = None
+        if num_decode:
+            lmax = max(len(c) for c in dec_ctx)
+            lens = torch.tensor([len(c) for c in dec_ctx], device=dev)
+            dec_ctx_t = torch.tensor([c + [c[0]] * (lmax - len(c)) for c in dec_ctx], device=dev)
+            dec_mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        batch = Batch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(pos, device=dev),
+            slots=torch.tensor(slots, device=dev),
+            num_decode=num_decode,
+            dec_ctx=dec_ctx_t,
+            dec_mask=dec_mask,
+            prefills=prefills,
+            logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),
+        )
+        return batch, emitting
+
+    # --- sampling and finishing ------------------------------------------------------------------------
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        try:
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:
+            # One sequence's parameters must not sink the batch: sample row by row to find the culprit.
+            tokens = []
+            for i, s in enumerate(seqs):
+                try:
+                    tokens.append(sample(logits[i : i + 1], [s.params], [s.generator])[0])
+                except Exception as e:
+                    log.exception("sampling failed for %s", s.id)
+                    s.error = f"sampling failed: {e}"
+                    tokens.append(-1)
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            if token < 0:
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.error, seq.error))
+                continue
+            seq.output_ids.append(token)
+            finish = None
+            if token in seq.params.stop_token_ids:
+                finish = Finish.stop
+            elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                finish = Finish.length
+            if finish:
+                self.running.remove(seq)
+                self._finish(seq, finish)
+            outputs.append(Output(seq, token, finish))
+        return outputs
+
+    def _finish(self, seq: Sequence, finish: Finish, error: str | None = None) -> Output:
+        self._release(seq)
+        seq.finish = finish
+        seq.error = error
+        return Output(seq, None, finish)

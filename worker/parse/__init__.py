@@ -1,0 +1,73 @@
+"""The parse stage: generated text in, message deltas out (content now; reasoning and tool calls by parser).
+
+Every parser has the same small surface: `feed(text) -> Delta` for each new piece of decoded text and
+`finish() -> Delta` once generation ended, flushing anything held back. The deltas of one choice, concatenated
+field by field, equal the whole parsed message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None  # set, with name, on a call's first delta only
+    name: str | None = None
+    arguments: str = ""  # a fragment; the fragments of one call concatenate to its JSON arguments
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class Parser(Protocol):
+    def feed(self, text: str) -> Delta: ...
+
+    def finish(self) -> Delta: ...
+
+
+class ContentParser:
+    """Plain text: everything is content."""
+
+    def feed(self, text: str) -> Delta:
+        return Delta(content=text)
+
+    def finish(self) -> Delta:
+        return Delta()
+
+
+def combine(deltas: Iterable[Delta]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """Deltas of one choice -> (content, reasoning, tool_calls) in the OpenAI message shape.
+
+    content is None when it is empty and there are tool calls (OpenAI's shape), reasoning None when empty.
+    """
+    content, reasoning = [], []
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        content.append(d.content)
+        reasoning.append(d.reasoning)
+        for c in d.tool_calls:
+            if c.index not in calls:
+                function = {"name": c.name, "arguments": ""}
+                calls[c.index] = {"id": c.id, "type": "function", "function": function}
+            calls[c.index]["function"]["arguments"] += c.arguments
+    tool_calls = [calls[i] for i in sorted(calls)]
+    text = "".join(content)
+    return (None if not text and tool_calls else text), "".join(reasoning) or None, tool_calls
+
+
+def collect(parser: Parser, pieces: Iterable[str]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """Feed every piece, finish, and combine: the whole parsed message."""
+    deltas = [parser.feed(p) for p in pieces]
+    deltas.append(parser.finish())
+    return combine(deltas)

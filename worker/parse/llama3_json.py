@@ -1,0 +1,75 @@
+"""Llama 3 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`, possibly several joined
+by `;`, optionally after `<|python_tag|>`.
+
+Output that starts otherwise is content and streams at once. Output that starts like a call is held until
+finish(): only the whole text can tell calls from a JSON answer, and a streamed answer must equal the
+non-streamed one.
+"""
+
+from __future__ import annotations
+
+import json
+
+from worker.parse import Delta, ToolCallDelta
+from worker.parse.common import call_from_json
+
+TAG = "<|python_tag|>"
+
+
+class Llama3JsonParser:
+    def __init__(self, tool_names: set[str] | None = None):
+        self.tool_names = tool_names
+        self.buf = ""
+        self.is_content = False  # decided: not a call, stream it
+
+    def feed(self, text: str) -> Delta:
+        if self.is_content:
+            return Delta(content=text)
+        self.buf += text
+        if could_be_call(self.buf):
+            return Delta()
+        text, self.buf, self.is_content = self.buf, "", True
+        return Delta(content=text)
+
+    def finish(self) -> Delta:
+        text, self.buf = self.buf, ""
+        if self.is_content:
+            return Delta()
+        calls = self._parse(text)
+        return Delta(tool_calls=calls) if calls else Delta(content=text)
+
+    def _parse(self, text: str) -> list[ToolCallDelta] | None:
+        text = text.strip()
+        text = text.removeprefix(TAG)
+        decoder = json.JSONDecoder()
+        calls: list[ToolCallDelta] = []
+        pos = skip_space(text, 0)
+        while pos < len(text):
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                return None
+            call = call_from_json(obj, len(calls), self.tool_names, args_required=True)
+            if call is None:
+                return None
+            calls.append(call)
+            pos = skip_space(text, pos)
+            if pos < len(text):
+                if text[pos] != ";":
+                    return None
+                pos = skip_space(text, pos + 1)
+        return calls
+
+
+def could_be_call(text: str) -> bool:
+    head = text.lstrip()
+    if TAG.startswith(head):
+        return True
+    head = head.removeprefix(TAG).lstrip()
+    return not head or head.startswith("{")
+
+
+def skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos

@@ -1,0 +1,73 @@
+"""Writes what one engine step produced to Redis: one pipeline per step for every active job.
+
+Each event is appended to the job's replayable log (a Stream whose entry ids are 0-<seq>) and published on the
+job's live channel with the same message. The same round trip records progress, closes finished jobs and asks
+which running jobs a client wants cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from shared import keys
+from shared.protocol import Event, JobStatus
+from shared.settings import Settings
+
+
+@dataclass
+class JobEnd:
+    job_id: str
+    status: JobStatus
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class StepWrites:
+    events: list[tuple[str, Event]] = field(default_factory=list)
+    progress: dict[str, int] = field(default_factory=dict)  # job id -> completion tokens so far
+    ended: list[JobEnd] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.progress or self.ended)
+
+
+class Publisher:
+    def __init__(self, client: redis.Redis, settings: Settings):
+        self.redis = client
+        self.ttl = settings.result_ttl
+        self.maxlen = settings.stream_maxlen
+
+    def flush(self, writes: StepWrites, running: list[str]) -> set[str]:
+        """Sends one step's writes; returns the running job ids whose cancel flag is set."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, event in writes.events:
+            msg = event.model_dump_json()
+            pipe.xadd(
+                keys.events(job_id), {"msg": msg}, id=f"0-{event.seq}", maxlen=self.maxlen, approximate=True
+            )
+            pipe.publish(keys.live(job_id), msg)
+        for job_id, tokens in writes.progress.items():
+            pipe.hset(keys.job(job_id), "completion_tokens", tokens)
+            # Refreshed while the job runs, so the log of a job whose worker vanished still expires.
+            pipe.expire(keys.events(job_id), self.ttl)
+        now = str(time.time())
+        for end in writes.ended:
+            fields = {"status": end.status.value, "finished": now}
+            if end.result is not None:
+                fields["result"] = json.dumps(end.result)
+            if end.error is not None:
+                fields["error"] = json.dumps(end.error)
+            pipe.hset(keys.job(end.job_id), mapping=fields)
+            for key in (keys.job(end.job_id), keys.events(end.job_id), keys.cancel(end.job_id)):
+                pipe.expire(key, self.ttl)
+        for job_id in running:
+            pipe.exists(keys.cancel(job_id))
+        results = pipe.execute()
+        flags = results[len(results) - len(running) :] if running else []
+        return {job_id for job_id, flag in zip(running, flags, strict=True) if flag}

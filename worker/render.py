@@ -1,0 +1,98 @@
+"""The render stage: chat messages -> prompt token ids, through the model's own chat template.
+
+Needs only `tokenizers` and jinja2 (no torch, no transformers), so the API runs it at submit time: template errors
+and over-long prompts are refused with a 400 before anything is enqueued, and the job carries its prompt ids.
+The jinja environment mirrors transformers' `apply_chat_template` so templates written for it render the same.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from shared.protocol import ChatCompletionRequest, RequestError
+
+
+class TemplateError(RequestError):
+    pass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    ids: list[int]
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Renderer:
+    """Holds one model's tokenizer and chat template."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        if template is None:
+            raise RuntimeError(f"{model_dir} has no chat template")
+        self.special = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in self.special.items()}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.template = env.from_string(template)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        ids = []
+        gen = self.model_dir / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        token = self.special.get("eos_token")
+        if token is not None and (tid := self.tokenizer.token_to_id(token)) is not None and tid not in ids:
+            ids.append(tid)
+        return ids
+
+    def render(self, request: ChatCompletionRequest) -> Prompt:
+        messages = []
+        for m in request.messages:
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text() or ""
+            messages.append(d)
+        kwargs = dict(request.chat_template_kwargs or {})
+        try:
+            text = self.template.render(
+                messages=messages,
+                add_generation_prompt=request.add_generation_prompt,
+                **self.special,
+                **kwargs,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
+        return Prompt(text=text, ids=self.tokenizer.encode(text, add_special_tokens=False).ids)
