@@ -123,9 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
             )
         if (body.max_new_tokens or 0) > model.max_model_len:
             param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            raise BadRequest(
-                f"{param} must be at most the model's context length ({model.max_model_len})", param
-            )
+            raise BadRequest(f"{param} must be at most the model's context length ({model.max_model_len})", param)
         job = await store.submit(body, name, prompt.ids)
         if body.stream:
             return sse(job.id, 0, cancel_on_disconnect=not body.background)

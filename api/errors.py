@@ -71,9 +71,7 @@ def install(app: FastAPI) -> None:
         msg = first.get("msg", "Invalid request")
         if first.get("type") == "missing":
             msg = f"Missing required parameter: '{param}'."
-        return _response(
-            400, "BadRequestError", f"{msg} ({param})" if param and "'" not in msg else msg, param
-        )
+        return _response(400, "BadRequestError", f"{msg} ({param})" if param and "'" not in msg else msg, param)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:

@@ -32,9 +32,7 @@ class JobStore:
         pipe.zadd(keys.waiting(model), {job.id: time.time()})
         await pipe.execute()
         # The record exists before the task does, so a worker never picks up a job it cannot read.
-        await run_in_threadpool(
-            self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model)
-        )
+        await run_in_threadpool(self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model))
         return job
 
     async def get(self, job_id: str) -> Job:

@@ -168,9 +168,9 @@ def job(settings: Settings, action: str, job_id: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chatq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "up", help="start Redis (unless CHATQ_REDIS_URL is set), a worker, the API and Flower"
-    ).add_argument("--no-flower", action="store_true")
+    sub.add_parser("up", help="start Redis (unless CHATQ_REDIS_URL is set), a worker, the API and Flower").add_argument(
+        "--no-flower", action="store_true"
+    )
     sub.add_parser("api", help="start the HTTP API")
     sub.add_parser("worker", help="start a Celery worker holding the model")
     sub.add_parser("flower", help="start Flower")

@@ -82,9 +82,7 @@ def _heartbeat(state: WorkerState) -> None:
 def generate(job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
     r = _state.redis
-    claimed = r.eval(
-        CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id
-    )
+    claimed = r.eval(CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id)
     if not claimed:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
     job = Job.from_redis(r.hgetall(keys.job(job_id)))

@@ -81,9 +81,7 @@ class Engine:
         num_blocks = max(kv_tokens // block_size, -(-max_model_len // block_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.cache = KVCache(
-            config.num_hidden_layers, num_blocks * block_size, kv_heads, head_dim, dtype, self.device
-        )
+        self.cache = KVCache(config.num_hidden_layers, num_blocks * block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.prefill_chunk = prefill_chunk
@@ -211,9 +209,7 @@ class Engine:
             todo = len(seq) - seq.num_cached
             n = min(todo, budget)
             # Keep a block per running sequence in reserve so admitting one does not preempt another next step.
-            if self._blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running) > len(
-                self.free_blocks
-            ):
+            if self._blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running) > len(self.free_blocks):
                 break
             heapq.heappop(self.waiting)
             self._grow(seq, seq.num_cached + n)
@@ -251,8 +247,7 @@ class Engine:
                 ctx = torch.tensor(seq_slots, device=dev)
                 # Query i sits at position num_cached + i and sees every key up to and including itself.
                 mask = (
-                    torch.arange(total, device=dev)[None, :]
-                    <= torch.arange(seq.num_cached, total, device=dev)[:, None]
+                    torch.arange(total, device=dev)[None, :] <= torch.arange(seq.num_cached, total, device=dev)[:, None]
                 )
                 prefills.append((start, start + n, ctx, mask))
         dec_ctx_t = dec_mask = None

@@ -23,6 +23,7 @@ from shared.settings import Settings
 class JobEnd:
     job_id: str
     status: JobStatus
+    completion_tokens: int
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
 
@@ -48,9 +49,7 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         for job_id, event in writes.events:
             msg = event.model_dump_json()
-            pipe.xadd(
-                keys.events(job_id), {"msg": msg}, id=f"0-{event.seq}", maxlen=self.maxlen, approximate=True
-            )
+            pipe.xadd(keys.events(job_id), {"msg": msg}, id=f"0-{event.seq}", maxlen=self.maxlen, approximate=True)
             pipe.publish(keys.live(job_id), msg)
         for job_id, tokens in writes.progress.items():
             pipe.hset(keys.job(job_id), "completion_tokens", tokens)
@@ -58,7 +57,7 @@ class Publisher:
             pipe.expire(keys.events(job_id), self.ttl)
         now = str(time.time())
         for end in writes.ended:
-            fields = {"status": end.status.value, "finished": now}
+            fields = {"status": end.status.value, "finished": now, "completion_tokens": str(end.completion_tokens)}
             if end.result is not None:
                 fields["result"] = json.dumps(end.result)
             if end.error is not None:

@@ -113,9 +113,7 @@ class JobRun:
         choice.content.append(delta.content)
         events = []
         if delta:
-            events.append(
-                self._event(EventKind.chunk, self.chunks.choice(choice.index, chunks.delta_json(delta)))
-            )
+            events.append(self._event(EventKind.chunk, self.chunks.choice(choice.index, chunks.delta_json(delta))))
         if choice.finish_reason in ("stop", "length"):
             events.append(
                 self._event(
@@ -131,7 +129,7 @@ class JobRun:
         if self.error is not None:
             body = error_body(self.error, "InternalServerError", 500)
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
-            return events, JobEnd(self.job.id, JobStatus.failed, error=body["error"])
+            return events, JobEnd(self.job.id, JobStatus.failed, completion_tokens, error=body["error"])
         result = chunks.completion(
             self.job.id,
             self.job.created,
@@ -149,17 +147,13 @@ class JobRun:
             prompt_tokens,
             completion_tokens,
         )
-        status = (
-            JobStatus.cancelled
-            if any(c.finish_reason == "abort" for c in self.choices)
-            else JobStatus.completed
-        )
+        status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         opts = self.job.request.stream_options
         if status is JobStatus.completed and opts is not None and opts.include_usage:
             events.append(self._event(EventKind.chunk, self.chunks.usage(prompt_tokens, completion_tokens)))
         events.append(self._event(EventKind.done))
-        return events, JobEnd(self.job.id, status, result=result)
+        return events, JobEnd(self.job.id, status, completion_tokens, result=result)
 
 
 def _merge(a: Delta, b: Delta) -> Delta:

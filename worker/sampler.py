@@ -23,9 +23,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [B, V] float32. Returns one token id per row."""
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     if bool(greedy.all()):

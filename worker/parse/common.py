@@ -32,9 +32,7 @@ def arguments_json(arguments: dict[str, Any]) -> str | None:
         return None
 
 
-def call_from_json(
-    obj: Any, index: int, tool_names: set[str] | None, *, args_required: bool
-) -> ToolCallDelta | None:
+def call_from_json(obj: Any, index: int, tool_names: set[str] | None, *, args_required: bool) -> ToolCallDelta | None:
     """A `{"name": ..., "arguments"|"parameters": {...}}` object as a complete call, or None if it is not one.
 
     `args_required` is for formats without tags around the call, where a bare `{"name": ...}` is more

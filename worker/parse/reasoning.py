@@ -14,9 +14,7 @@ class ReasoningParser:
     everything goes straight to `inner`.
     """
 
-    def __init__(
-        self, inner: Parser, *, thinking_enabled: bool = True, start: str = "<think>", end: str = "</think>"
-    ):
+    def __init__(self, inner: Parser, *, thinking_enabled: bool = True, start: str = "<think>", end: str = "</think>"):
         self.inner = inner
         self.start, self.end = start, end
         # "start": may still see the start tag; "reasoning": inside the thought; "content": after it.

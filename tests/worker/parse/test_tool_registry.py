@@ -18,9 +18,7 @@ OUTPUTS = {
 def test_registry(name):
     content, reasoning, calls = collect(TOOL_PARSERS[name](tool_names={"f"}), [OUTPUTS[name]])
     assert content is None and reasoning is None
-    assert calls == [
-        {"id": calls[0]["id"], "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    ]
+    assert calls == [{"id": calls[0]["id"], "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
 
 
 def test_call_ids_are_unique():

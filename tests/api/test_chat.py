@@ -1,0 +1,101 @@
+"""Chat completions through the whole stack, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import openai
+
+from shared.protocol import ChatCompletionRequest
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_completion_answers_with_usage_matching_the_tokenizer(client: openai.OpenAI, model_name, renderer):
+    resp = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=40)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.model == model_name
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    prompt_ids = renderer.render(ChatCompletionRequest(messages=QUESTION)).ids
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    # The answer's tokens plus the end-of-turn token that stopped it.
+    answer_ids = renderer.tokenizer.encode(choice.message.content, add_special_tokens=False).ids
+    assert resp.usage.completion_tokens == len(answer_ids) + 1
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_max_tokens_ends_with_length(client: openai.OpenAI, model_name):
+    resp = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=7,
+        temperature=0,
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 7
+
+
+def test_model_may_be_omitted(client: openai.OpenAI, model_name):
+    resp = client.chat.completions.create(model="", messages=QUESTION, max_tokens=3)
+    assert resp.model == model_name
+
+
+def test_greedy_stream_equals_greedy_completion(client: openai.OpenAI, model_name):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    whole = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=30)
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            temperature=0,
+            max_tokens=30,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id != whole.id
+    assert len({c.created for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sampling_with_a_seed_is_reproducible(client: openai.OpenAI, model_name):
+    def ask() -> str:
+        return (
+            client.chat.completions.create(
+                model=model_name,
+                messages=[{"role": "user", "content": "Invent a name for a cat."}],
+                temperature=1.0,
+                top_p=0.9,
+                seed=1234,
+                max_tokens=20,
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert ask() == ask()
+
+
+def test_stop_string_is_not_in_the_text(client: openai.OpenAI, model_name):
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    free = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=40)
+    text = free.choices[0].message.content
+    assert "5" in text, text
+    stopped = client.chat.completions.create(
+        model=model_name, messages=messages, temperature=0, max_tokens=40, stop=["5"]
+    )
+    choice = stopped.choices[0]
+    assert choice.message.content == text[: text.index("5")]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == "5"
+
+
+def test_models_lists_the_default_model(client: openai.OpenAI, model_name):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_name]

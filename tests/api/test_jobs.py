@@ -1,0 +1,136 @@
+"""Background jobs: submit, poll, retrieve, resume streams, cancel, delete."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import redis
+
+from shared import keys
+from tests.helpers import content_of, frames, stream, wait_for
+
+LONG = [{"role": "user", "content": "Count from 1 to 200, one number per line."}]
+
+
+def submit(http: httpx.Client, max_tokens: int, **extra) -> dict:
+    resp = http.post(
+        "/v1/chat/completions",
+        json={"messages": LONG, "max_tokens": max_tokens, "temperature": 0, "background": True, **extra},
+    )
+    assert resp.status_code == 202, resp.text
+    return resp.json()
+
+
+def test_background_job_is_polled_retrieved_and_deleted(http: httpx.Client, client: openai.OpenAI):
+    job = submit(http, 12)
+    assert job["status"] == "queued" and job["choices"] == [] and job["object"] == "chat.completion"
+    done = wait_for(http, job["id"], lambda j: j["status"] == "completed")
+    assert done["progress"]["completion_tokens"] == 12
+
+    got = client.chat.completions.retrieve(job["id"])
+    assert got.id == job["id"]
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    assert got.model_extra["status"] == "completed"
+
+    deleted = client.chat.completions.delete(job["id"])
+    assert deleted.deleted is True and deleted.id == job["id"]
+    assert http.get(f"/v1/chat/completions/{job['id']}").status_code == 404
+
+
+def test_late_subscriber_gets_every_event_once_in_order(http: httpx.Client):
+    job = submit(http, 60)
+    wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 5)
+    fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"})
+    assert [f.id for f in fs] == list(range(1, len(fs) + 1))
+    assert fs[-1].data == "[DONE]"
+    final = http.get(f"/v1/chat/completions/{job['id']}").json()
+    assert content_of(fs) == final["choices"][0]["message"]["content"]
+    assert final["usage"]["completion_tokens"] == 60
+
+    # Resuming after event k replays exactly the events after it.
+    k = len(fs) // 2
+    rest = stream(
+        http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"}, headers={"Last-Event-ID": str(k)}
+    )
+    assert [(f.id, f.data) for f in rest] == [(f.id, f.data) for f in fs[k:]]
+    after = stream(
+        http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true", "starting_after": str(k + 3)}
+    )
+    assert [f.id for f in after] == [f.id for f in fs[k + 3 :]]
+
+
+def test_live_stream_joined_mid_job_matches_the_log(http: httpx.Client, r: redis.Redis):
+    job = submit(http, 80)
+    wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 3)
+    fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"})
+    # What a direct Redis reader of the documented log sees is the same sequence.
+    log = [json.loads(fields["msg"]) for _, fields in r.xrange(keys.events(job["id"]))]
+    assert [e["seq"] for e in log] == [f.id for f in fs]
+    assert log[-1]["event"] == "done"
+    assert [json.dumps(e["data"], separators=(",", ":")) for e in log[:-1]] == [f.data for f in fs[:-1]]
+
+
+def test_cancel_stops_a_running_job(http: httpx.Client):
+    job = submit(http, 2000, stop=[])
+    running = wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 5)
+    assert running["status"] == "in_progress"
+    cancelled = http.post(f"/v1/chat/completions/{job['id']}/cancel").json()
+    assert cancelled["id"] == job["id"]
+    at_cancel = cancelled["progress"]["completion_tokens"]
+    final = wait_for(http, job["id"], lambda j: j["status"] == "cancelled", timeout=10)
+    # The worker drops the job at its next step: a token or two after the request, not the remaining 1,900.
+    assert final["progress"]["completion_tokens"] - at_cancel <= 3
+    # Idempotent, and the stream of a cancelled job still ends.
+    assert http.post(f"/v1/chat/completions/{job['id']}/cancel").json()["status"] == "cancelled"
+    fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"})
+    assert fs[-1].data == "[DONE]"
+
+
+def test_client_disconnect_cancels_a_streamed_job(http: httpx.Client):
+    body = {"messages": LONG, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        seen = []
+        for f in frames(resp.iter_lines()):
+            seen.append(f)
+            if len(seen) == 4:
+                break
+    job_id = seen[0].json["id"]
+    final = wait_for(http, job_id, lambda j: j["status"] == "cancelled", timeout=10)
+    assert final["progress"]["completion_tokens"] < 100
+
+
+def test_disconnect_does_not_cancel_a_background_stream(http: httpx.Client):
+    body = {"messages": LONG, "max_tokens": 30, "temperature": 0, "stream": True, "background": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        first = next(frames(resp.iter_lines()))
+    final = wait_for(http, first.json["id"], lambda j: j["status"] != "in_progress" and j["status"] != "queued")
+    assert final["status"] == "completed"
+    assert final["usage"]["completion_tokens"] == 30
+
+
+def test_queued_job_shows_its_position_and_can_be_cancelled(http: httpx.Client, r: redis.Redis, model_name):
+    # Jobs beyond what the worker takes at once wait in the queue with a position.
+    jobs = [submit(http, 40) for _ in range(40)]
+    positions = [http.get(f"/v1/chat/completions/{j['id']}").json() for j in jobs]
+    queued = [p for p in positions if p["status"] == "queued"]
+    assert queued, "some jobs should still be queued"
+    assert all(p["progress"]["queue_position"] >= 1 for p in queued)
+    last = jobs[-1]["id"]
+    if http.get(f"/v1/chat/completions/{last}").json()["status"] == "queued":
+        view = http.post(f"/v1/chat/completions/{last}/cancel").json()
+        assert view["status"] == "cancelled"
+        assert r.zrank(keys.waiting(model_name), last) is None
+    threads = [
+        threading.Thread(
+            target=wait_for, args=(http, j["id"], lambda j: j["status"] in ("completed", "cancelled"), 300)
+        )
+        for j in jobs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

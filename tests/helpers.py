@@ -1,0 +1,63 @@
+"""Small helpers the tests share: reading SSE frames and waiting on a job."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Frame:
+    id: int | None
+    data: str
+
+    @property
+    def json(self) -> dict[str, Any]:
+        return json.loads(self.data)
+
+
+def frames(lines: Iterator[str]) -> Iterator[Frame]:
+    """Parses an SSE body line by line; comments (pings) are skipped."""
+    event_id, data = None, []
+    for line in lines:
+        if line == "":
+            if data:
+                yield Frame(event_id, "\n".join(data))
+            event_id, data = None, []
+        elif line.startswith("id:"):
+            event_id = int(line[3:].strip())
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+
+
+def stream(http: httpx.Client, method: str, url: str, **kw: Any) -> list[Frame]:
+    with http.stream(method, url, **kw) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return list(frames(resp.iter_lines()))
+
+
+def content_of(fs: list[Frame], index: int = 0) -> str:
+    out = []
+    for f in fs:
+        if f.data == "[DONE]":
+            continue
+        for c in f.json.get("choices", []):
+            if c["index"] == index:
+                out.append(c["delta"].get("content") or "")
+    return "".join(out)
+
+
+def wait_for(http: httpx.Client, job_id: str, until: Callable[[dict[str, Any]], bool], timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        job = http.get(f"/v1/chat/completions/{job_id}").json()
+        if until(job):
+            return job
+        assert time.time() < deadline, f"job {job_id} stuck: {job}"
+        time.sleep(0.05)

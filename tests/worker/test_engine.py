@@ -1,0 +1,120 @@
+"""The batched engine against transformers' own generate, on the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.protocol import ChatCompletionRequest
+from shared.settings import Settings
+from worker.engine import Engine, Finish, Sequence
+from worker.model import load_model
+from worker.render import Renderer
+from worker.sampler import SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Count from 1 to 10.",
+    "Tell me a joke about cats and dogs, please.",
+    "Why is the sky blue?",
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(Settings(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    r = Renderer(Settings().model_dir)
+    return [r.render(ChatCompletionRequest(messages=[{"role": "user", "content": q}])).ids for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """Greedy continuations from transformers' own forward with its own cache, EOS not treated specially."""
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            res = model(torch.tensor([ids]), use_cache=True)
+            new = [int(res.logits[0, -1].argmax())]
+            for _ in range(NEW - 1):
+                res = model(torch.tensor([new[-1:]]), past_key_values=res.past_key_values, use_cache=True)
+                new.append(int(res.logits[0, -1].argmax()))
+            out.append(new)
+    return out
+
+
+def run(engine: Engine, seqs: list[Sequence], cancel_after: dict[str, int] | None = None) -> dict[str, Sequence]:
+    for s in seqs:
+        engine.add(s)
+    done = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finish:
+                done[out.seq.id] = out.seq
+            elif cancel_after and len(out.seq.output_ids) == cancel_after.get(out.seq.id):
+                engine.cancel(out.seq.id)
+    return done
+
+
+def greedy(i: int, ids: list[int]) -> Sequence:
+    return Sequence(str(i), ids, SamplingParams(max_tokens=NEW, temperature=0))
+
+
+@pytest.mark.parametrize(("kv_tokens", "chunk"), [(8192, 512), (8192, 7), (160, 64)])
+def test_batched_greedy_equals_generate(model, prompts, reference, kv_tokens, chunk):
+    # 160 cache tokens cannot hold five sequences at once: they wait or are preempted and recomputed.
+    engine = Engine(model, kv_tokens=kv_tokens, block_size=16, prefill_chunk=chunk, max_model_len=8192)
+    done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts)])
+    assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
+    assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
+    assert len(engine.free_blocks) == engine.num_blocks
+
+
+def test_late_joiners_do_not_change_earlier_sequences(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=16, max_model_len=8192)
+    engine.add(greedy(0, prompts[0]))
+    done = {}
+    step = 0
+    while engine.has_work() or step < len(prompts):
+        step += 1
+        if step < len(prompts):
+            engine.add(greedy(step, prompts[step]))
+        for out in engine.step():
+            if out.finish:
+                done[out.seq.id] = out.seq.output_ids
+    assert [done[str(i)] for i in range(len(prompts))] == reference
+
+
+def test_cancel_takes_effect_at_the_next_step(model, prompts):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    seqs = [greedy(i, ids) for i, ids in enumerate(prompts[:3])]
+    done = run(engine, seqs, cancel_after={"1": 3})
+    assert done["1"].finish is Finish.cancelled and len(done["1"].output_ids) == 3
+    assert len(done["0"].output_ids) == NEW and len(done["2"].output_ids) == NEW
+    assert len(engine.free_blocks) == engine.num_blocks
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
+    def sampled(batch_with: list[list[int]]) -> list[int]:
+        engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+        seqs = [Sequence("x", prompts[0], SamplingParams(max_tokens=12, temperature=1.0, seed=7))]
+        seqs += [
+            Sequence(f"o{i}", ids, SamplingParams(max_tokens=12, temperature=1.0)) for i, ids in enumerate(batch_with)
+        ]
+        return run(engine, seqs)["x"].output_ids
+
+    assert sampled([]) == sampled(prompts[1:4])
+
+
+def test_stop_token_ends_a_sequence(model, prompts, reference):
+    stop_at = reference[0][4]
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    seq = Sequence("s", prompts[0], SamplingParams(max_tokens=NEW, temperature=0, stop_token_ids=frozenset([stop_at])))
+    done = run(engine, [seq])
+    assert done["s"].finish is Finish.stop
+    assert done["s"].output_ids == reference[0][: reference[0].index(stop_at) + 1]
