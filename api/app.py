@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,17 @@ from api.errors import BadRequest, ModelNotFound, ServiceUnavailable
 from api.jobs import JobStore
 from api.relay import Relay
 from shared import keys
-from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus, error_body
+from shared.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EventKind,
+    GenerationRequest,
+    Job,
+    JobStatus,
+    TokenizeRequest,
+    error_body,
+)
 from shared.queue import make_celery
 from shared.settings import Settings
 from worker.render import Renderer
@@ -42,11 +53,16 @@ class Model:
         return Renderer(self.dir)
 
     @cached_property
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.dir / "config.json").read_text())
+
+    @cached_property
     def max_model_len(self) -> int:
-        if self.settings.max_model_len:
-            return self.settings.max_model_len
-        config = json.loads((self.dir / "config.json").read_text())
-        return int(config.get("max_position_embeddings", 2048))
+        return self.settings.max_model_len or int(self.config.get("max_position_embeddings", 2048))
+
+    @cached_property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or self.renderer.tokenizer.get_vocab_size())
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -109,22 +125,51 @@ def create_app(settings: Settings) -> FastAPI:
             return False
         return True
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        body.check()
-        name = resolve_model(body.model)
-        prompt = model.renderer.render(body)
-        if len(prompt.ids) >= model.max_model_len:
+    def admit(body: GenerationRequest, prompt_ids: list[int]) -> list[int]:
+        """Checks that need the tokenizer or the context length; returns the prompt as it will run."""
+        limit = model.max_model_len
+        if body.truncate_prompt_tokens is not None:
+            keep = limit if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+            if keep > limit:
+                raise BadRequest(
+                    f"truncate_prompt_tokens ({keep}) cannot be greater than the model's context length ({limit}).",
+                    "truncate_prompt_tokens",
+                )
+            prompt_ids = prompt_ids[-keep:]
+        if len(prompt_ids) >= limit:
             raise BadRequest(
-                f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt "
-                f"contains {len(prompt.ids)} input tokens, leaving no room for the completion. Please shorten "
-                "your messages.",
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{len(prompt_ids)} input tokens, leaving no room for the completion. Please reduce the length of "
+                "the messages or the prompt.",
                 "input_tokens",
             )
-        if (body.max_new_tokens or 0) > model.max_model_len:
-            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            raise BadRequest(f"{param} must be at most the model's context length ({model.max_model_len})", param)
-        job = await store.submit(body, name, prompt.ids)
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        if (body.max_new_tokens or 0) > limit:
+            raise BadRequest(
+                f"{param} ({body.max_new_tokens}) must be at most the model's context length ({limit}).", param
+            )
+        room = limit - len(prompt_ids)
+        if body.min_tokens > room:
+            raise BadRequest(
+                f"min_tokens ({body.min_tokens}) is more than the {room} tokens left after the prompt.", "min_tokens"
+            )
+        vocab = model.vocab_size
+        bad = [k for k in body.bias() if not 0 <= k < vocab]
+        if bad:
+            raise BadRequest(
+                f"logit_bias has token ids outside the vocabulary (0..{vocab - 1}): {', '.join(map(str, bad))}",
+                "logit_bias",
+            )
+        if any(t >= vocab for t in body.stop_token_ids or []):
+            raise BadRequest(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise BadRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        return prompt_ids
+
+    async def respond(
+        body: GenerationRequest, kind: str, prompt_ids: list[int], request: Request, x_request_id: str | None
+    ) -> Any:
+        job = await store.submit(body, kind, resolve_model(body.model), prompt_ids, x_request_id or body.request_id)
         if body.stream:
             return sse(job.id, 0, cancel_on_disconnect=not body.background)
         if body.background:
@@ -132,6 +177,24 @@ def create_app(settings: Settings) -> FastAPI:
         if not await wait_done(job.id, request):
             return JSONResponse(error_body("The client disconnected.", "APIError", 499), status_code=499)
         return await finished_response(await store.get(job.id))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(
+        body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(default=None)
+    ) -> Any:
+        body.check()
+        resolve_model(body.model)
+        prompt_ids = admit(body, model.renderer.render(body).ids)
+        return await respond(body, "chat", prompt_ids, request, x_request_id)
+
+    @app.post("/v1/completions")
+    async def create_completion(
+        body: CompletionRequest, request: Request, x_request_id: str | None = Header(default=None)
+    ) -> Any:
+        body.check()
+        resolve_model(body.model)
+        prompt_ids = admit(body, model.renderer.encode(body.prompt))
+        return await respond(body, "text", prompt_ids, request, x_request_id)
 
     async def finished_response(job: Job) -> JSONResponse:
         if job.status is JobStatus.failed and job.error:
@@ -165,6 +228,43 @@ def create_app(settings: Settings) -> FastAPI:
     async def delete_chat_completion(job_id: str) -> Any:
         await store.delete(job_id)
         return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        resolve_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            chat.check()
+            ids = model.renderer.render(chat).ids
+        elif body.prompt is not None:
+            ids = model.renderer.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        else:
+            raise BadRequest("Either `prompt` or `messages` is required.", "prompt")
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": model.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        if body.return_token_strs:
+            out["token_strs"] = [model.renderer.tokenizer.id_to_token(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        resolve_model(body.model)
+        if any(not 0 <= t < model.vocab_size for t in body.tokens):
+            raise BadRequest(f"token ids must be in 0..{model.vocab_size - 1}", "tokens")
+        return {"prompt": model.renderer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": importlib.metadata.version("chatq")}
 
     @app.get("/v1/models")
     async def list_models() -> Any:

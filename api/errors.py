@@ -25,6 +25,10 @@ class BadRequest(APIError):
     status, type = 400, "BadRequestError"
 
 
+class Conflict(APIError):
+    status, type = 409, "ConflictError"
+
+
 class ModelNotFound(APIError):
     status, type = 404, "NotFoundError"
 

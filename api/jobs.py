@@ -10,11 +10,11 @@ import redis.asyncio as aioredis
 from celery import Celery
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import JobNotFound
+from api.errors import Conflict, JobNotFound
 from shared import keys
 from shared.jobs import CANCEL
-from shared.protocol import ChatCompletionRequest, Event, EventKind, Job, JobStatus
-from shared.queue import GENERATE_TASK
+from shared.protocol import Event, EventKind, GenerationRequest, Job, JobStatus
+from shared.queue import GENERATE_TASK, celery_priority
 from shared.settings import Settings
 
 
@@ -25,14 +25,26 @@ class JobStore:
         self.settings = settings
         self._cancel = client.register_script(CANCEL)
 
-    async def submit(self, request: ChatCompletionRequest, model: str, prompt_ids: list[int]) -> Job:
-        job = Job(id=f"chatcmpl-{uuid.uuid4().hex}", model=model, request=request, prompt_ids=prompt_ids)
+    async def submit(
+        self, request: GenerationRequest, kind: str, model: str, prompt_ids: list[int], request_id: str | None
+    ) -> Job:
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        job = Job(
+            id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
+        )
+        # The id is claimed first (HSETNX), so a repeated request_id can never overwrite another job.
+        if not await self.redis.hsetnx(keys.job(job.id), "id", job.id):
+            raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
+        lane = celery_priority(request.priority)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(keys.job(job.id), mapping=job.to_redis())
-        pipe.zadd(keys.waiting(model), {job.id: time.time()})
+        # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
+        pipe.zadd(keys.waiting(model), {job.id: lane * 1e11 + time.time()})
         await pipe.execute()
         # The record exists before the task does, so a worker never picks up a job it cannot read.
-        await run_in_threadpool(self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model))
+        await run_in_threadpool(
+            self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model), priority=lane
+        )
         return job
 
     async def get(self, job_id: str) -> Job:

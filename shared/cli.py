@@ -96,6 +96,13 @@ def up(settings: Settings, with_flower: bool = True) -> int:
         settings = settings.model_copy(update={"redis_url": redis_server.url})
         print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
     procs: list[subprocess.Popen] = []
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # Installed explicitly: a shell that starts `chatq up` in the background leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         prepare_model(settings)
         procs.append(subprocess.Popen(worker_command(settings), env=env))
@@ -107,7 +114,6 @@ def up(settings: Settings, with_flower: bool = True) -> int:
             + (f", Flower on http://{settings.api_host}:{settings.flower_port}" if with_flower else ""),
             flush=True,
         )
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 1
@@ -116,7 +122,7 @@ def up(settings: Settings, with_flower: bool = True) -> int:
     finally:
         for p in reversed(procs):
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.terminate()
         for p in reversed(procs):
             try:
                 p.wait(timeout=15)

@@ -56,64 +56,61 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-# Fields of OpenAI's or vLLM's request that chatq does not honour yet: sending one (with a non-default value)
-# is a 400 naming it, never a silent no-op.
+# Fields of OpenAI's or vLLM's request that chatq does not honour: sending one (with a non-default value) is a
+# 400 naming it, never a silent no-op.
 UNSUPPORTED_FIELDS = (
     "tools",
     "tool_choice",
     "response_format",
     "structured_outputs",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "continue_final_message",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "truncate_prompt_tokens",
     "return_tokens_as_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "top_k",
-    "n",
-    "continuous_usage_stats",
     "audio",
     "modalities",
     "prediction",
     "web_search_options",
     "functions",
     "function_call",
+    "suffix",
+    "best_of",
+    "use_beam_search",
+    "prompt_logprobs",
 )
+MAX_TOP_LOGPROBS = 20
 
 
-class ChatCompletionRequest(BaseModel):
-    # Unknown keys are accepted and ignored, as in vLLM; the known-but-unsupported ones are refused below.
+class GenerationRequest(BaseModel):
+    """Fields shared by chat and legacy text completions: how to sample and how to stream."""
+
+    # Unknown keys are accepted and ignored, as in vLLM; the known-but-unsupported ones are refused in check().
     model_config = ConfigDict(extra="allow")
 
-    messages: list[Message] = Field(min_length=1)
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     background: bool = False
 
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    echo: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
-
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    skip_special_tokens: bool = True
 
     @field_validator("stop", mode="after")
     @classmethod
@@ -125,35 +122,150 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is not None and self.temperature < 1e-5
+
     def check(self) -> None:
-        """Checks that need more than one field; raises RequestError with the offending param."""
+        """Checks beyond single-field types; raises RequestError naming the offending param."""
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
-            value = extra.get(name, getattr(self, name, None))
-            if name == "n" and value == 1:
-                continue
-            if name == "continuous_usage_stats":
-                value = self.stream_options and self.stream_options.continuous_usage_stats
-            if value not in (None, False, [], {}):
+            if extra.get(name) not in (None, False, [], {}):
                 raise RequestError(f"`{name}` is not supported by this server", name)
-        if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise RequestError("temperature must be in [0, 2]", "temperature")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise RequestError("top_p must be in (0, 1]", "top_p")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1", "max_tokens")
-        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise RequestError("max_completion_tokens must be at least 1", "max_completion_tokens")
-        if self.stream_options is not None and not self.stream:
-            raise RequestError("Stream options can only be defined when `stream=True`.", "stream_options")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise RequestError("seed must be a 64-bit integer", "seed")
-        for m in self.messages:
-            m.text()
+
+        def need(ok: bool, message: str, param: str) -> None:
+            if not ok:
+                raise RequestError(message, param)
+
+        need(self.temperature is None or 0 <= self.temperature <= 2, "temperature must be in [0, 2]", "temperature")
+        need(self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        need(self.top_k is None or self.top_k >= -1, "top_k must be -1 (disable), 0 (disable) or at least 1", "top_k")
+        need(self.min_p is None or 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        need(self.n >= 1, "n must be at least 1", "n")
+        need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2]", name)
+        need(self.repetition_penalty > 0, "repetition_penalty must be greater than zero", "repetition_penalty")
+        need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit integer", "seed")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            need(value is None or value >= 1, f"{name} must be at least 1", name)
+        need(self.min_tokens >= 0, "min_tokens must be at least 0", "min_tokens")
+        need(
+            self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
+            "min_tokens must be less than or equal to max_tokens",
+            "min_tokens",
+        )
+        need(
+            self.stream_options is None or self.stream,
+            "Stream options can only be defined when `stream=True`.",
+            "stream_options",
+        )
+        need(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens >= -1
+            and self.truncate_prompt_tokens != 0,
+            "truncate_prompt_tokens must be -1 or at least 1",
+            "truncate_prompt_tokens",
+        )
+        need(all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be token ids", "stop_token_ids")
+        bad = []
+        for key in self.logit_bias or {}:
+            try:
+                int(key)
+            except ValueError:
+                bad.append(key)
+        need(not bad, f"logit_bias keys must be token ids; invalid: {', '.join(map(repr, bad))}", "logit_bias")
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
+        return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(
+                    f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
+                )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError(
+                "`continue_final_message` needs the last message to be an assistant message.", "continue_final_message"
+            )
+        for m in self.messages:
+            m.text()
+
+    @property
+    def response_role(self) -> str:
+        # vLLM answers in the last message's role when no generation prompt opens an assistant turn.
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+
+class CompletionRequest(GenerationRequest):
+    """The legacy /v1/completions body: a prompt instead of messages."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
+        if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("The prompt must not be empty.", "prompt")
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- the job record ----------------------------------------------------------------------------------
@@ -176,9 +288,10 @@ class Job(BaseModel):
 
     id: str
     model: str
+    kind: Literal["chat", "text"] = "chat"
     created: int = Field(default_factory=lambda: int(time.time()))
     status: JobStatus = JobStatus.queued
-    request: ChatCompletionRequest
+    request: ChatCompletionRequest | CompletionRequest
     attempts: int = 0
     worker: str | None = None
     prompt_ids: list[int] = Field(default_factory=list)
@@ -190,6 +303,7 @@ class Job(BaseModel):
         out = {
             "id": self.id,
             "model": self.model,
+            "kind": self.kind,
             "created": str(self.created),
             "status": self.status.value,
             "request": self.request.model_dump_json(exclude_unset=True),
@@ -208,12 +322,15 @@ class Job(BaseModel):
 
     @classmethod
     def from_redis(cls, h: dict[str, str]) -> Job:
+        kind = h.get("kind", "chat")
+        request_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
         return cls(
             id=h["id"],
             model=h["model"],
+            kind=kind,
             created=int(h["created"]),
             status=JobStatus(h["status"]),
-            request=ChatCompletionRequest.model_validate_json(h["request"]),
+            request=request_type.model_validate_json(h["request"]),
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker"),
             prompt_ids=json.loads(h.get("prompt_ids", "[]")),

@@ -8,6 +8,15 @@ from shared import keys
 from shared.settings import Settings
 
 GENERATE_TASK = "chatq.generate"
+PRIORITY_LANES = 10
+
+
+def celery_priority(priority: int) -> int:
+    """A request's priority (lower goes first, 0 by default, as in vLLM) -> one of Redis' ten lanes, 0 served first.
+
+    The default sits in lane 4, so both more and less urgent requests have room; the extremes share the end lanes.
+    """
+    return min(max(priority + 4, 0), PRIORITY_LANES - 1)
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -22,7 +31,13 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         # Redelivery of an unacknowledged job waits this long; it must outlast the longest generation.
-        broker_transport_options={"visibility_timeout": 3 * 3600},
+        # Each priority gets its own Redis list, polled in order, so a queued urgent job overtakes queued others.
+        broker_transport_options={
+            "visibility_timeout": 3 * 3600,
+            "queue_order_strategy": "priority",
+            "priority_steps": list(range(PRIORITY_LANES)),
+        },
+        task_default_priority=celery_priority(0),
         task_serializer="json",
         accept_content=["json"],
         worker_send_task_events=True,

@@ -1,12 +1,22 @@
-"""Deltas -> OpenAI objects: `chat.completion.chunk` for each streamed event and the final `chat.completion`."""
+"""Deltas -> OpenAI objects: the streamed chunks and the final object, for chat and for legacy text completions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from worker.parse import Delta
 
 SYSTEM_FINGERPRINT = "chatq"
+
+
+@dataclass
+class TokenInfo:
+    """One generated token's logprob entry, already decoded."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -36,10 +46,35 @@ def delta_json(delta: Delta) -> dict[str, Any]:
     return out
 
 
-class ChunkMaker:
-    """Builds the chunks of one job; id, created and model are the same in every chunk."""
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    def __init__(self, completion_id: str, created: int, model: str):
+
+def chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
+    return {
+        "content": [{**_entry(t.token, t.logprob), "top_logprobs": [_entry(s, lp) for s, lp in t.top]} for t in tokens]
+    }
+
+
+def text_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, with each token's character offset in the text."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [dict(t.top) for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+class ChatChunks:
+    object = "chat.completion"
+
+    def __init__(self, completion_id: str, created: int, model: str, role: str):
+        self.role = role
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -47,42 +82,107 @@ class ChunkMaker:
             "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
+        self.final_base = {**self.base, "object": self.object}
 
-    def choice(
+    def start(self, index: int) -> dict[str, Any] | None:
+        return self.chunk(index, {"role": self.role, "content": ""})
+
+    def chunk(
         self,
         index: int,
         delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         return {**self.base, "choices": [choice]}
 
+    def delta(self, index: int, delta: Delta) -> dict[str, Any]:
+        return delta_json(delta)
+
+    def logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+        return chat_logprobs(tokens)
+
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
+    def final_choice(
+        self,
+        index: int,
+        content: str,
+        reasoning: str | None,
+        tool_calls: list[dict[str, Any]],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason,
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if reasoning is not None:
+            message["reasoning"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
-def completion(
-    completion_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
+    def final(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {**self.final_base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class TextChunks(ChatChunks):
+    """Legacy /v1/completions: the same events, shaped as `text_completion` objects."""
+
+    object = "text_completion"
+
+    def __init__(self, completion_id: str, created: int, model: str):
+        super().__init__(completion_id, created, model, role="")
+        self.base = {**self.base, "object": self.object}
+        self.final_base = dict(self.base)
+
+    def start(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "text": delta.get("content", ""),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        return {**self.base, "choices": [choice]}
+
+    def logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+        return text_logprobs(tokens, offset)
+
+    def final_choice(
+        self,
+        index: int,
+        content: str,
+        reasoning: str | None,
+        tool_calls: list[dict[str, Any]],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason,
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": content,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }

@@ -34,9 +34,9 @@ class TextStream:
         self.held = ""
         self.text = ""  # everything emitted so far
 
-    def add(self, token: int) -> Piece:
+    def add(self, token: int, check_stops: bool = True) -> Piece:
         new = self.decoder.step(self.tokenizer, token) or ""
-        if not self.stops:
+        if not self.stops or not check_stops and not self.held:
             self.text += new
             return Piece(new)
         pending = self.held + new

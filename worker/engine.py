@@ -22,7 +22,7 @@ from enum import StrEnum
 import torch
 
 from worker.forward import Batch, KVCache, PagedForward
-from worker.sampler import SamplingParams, sample
+from worker.sampler import Row, SamplingParams, TokenLogprob, sample
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class Output:
     seq: Sequence
     token: int | None
     finish: Finish | None
+    logprob: TokenLogprob | None = None
 
 
 class Engine:
@@ -91,7 +92,7 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
         self._order = itertools.count()
-        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (-priority, arrival, seq)
+        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
         self.wakeup = threading.Event()
 
@@ -144,7 +145,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
         for seq in inbox:
-            heapq.heappush(self.waiting, (-seq.priority, next(self._order), seq))
+            heapq.heappush(self.waiting, (seq.priority, next(self._order), seq))
         outputs = []
         if cancels:
             for seq in [s for s in self.running if s.id in cancels]:
@@ -177,7 +178,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        heapq.heappush(self.waiting, (-seq.priority, next(self._order), seq))
+        heapq.heappush(self.waiting, (seq.priority, next(self._order), seq))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """Picks (sequence, number of new tokens to feed) for this step, taking cache blocks as needed."""
@@ -271,34 +272,38 @@ class Engine:
     # --- sampling and finishing ------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
         try:
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, logprobs = sample(logits, rows)
         except Exception:
             # One sequence's parameters must not sink the batch: sample row by row to find the culprit.
-            tokens = []
+            tokens, logprobs = [], []
             for i, s in enumerate(seqs):
                 try:
-                    tokens.append(sample(logits[i : i + 1], [s.params], [s.generator])[0])
+                    t, lp = sample(logits[i : i + 1], rows[i : i + 1])
+                    tokens.append(t[0])
+                    logprobs.append(lp[0])
                 except Exception as e:
                     log.exception("sampling failed for %s", s.id)
                     s.error = f"sampling failed: {e}"
                     tokens.append(-1)
+                    logprobs.append(None)
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             if token < 0:
                 self.running.remove(seq)
                 outputs.append(self._finish(seq, Finish.error, seq.error))
                 continue
             seq.output_ids.append(token)
             finish = None
-            if token in seq.params.stop_token_ids:
+            if token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens:
                 finish = Finish.stop
             elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
                 finish = Finish.length
             if finish:
                 self.running.remove(seq)
                 self._finish(seq, finish)
-            outputs.append(Output(seq, token, finish))
+            outputs.append(Output(seq, token, finish, logprob))
         return outputs
 
     def _finish(self, seq: Sequence, finish: Finish, error: str | None = None) -> Output:

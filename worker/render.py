@@ -86,13 +86,30 @@ class Renderer:
             d["content"] = m.text() or ""
             messages.append(d)
         kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         try:
             text = self.template.render(
                 messages=messages,
-                add_generation_prompt=request.add_generation_prompt,
+                add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
                 **self.special,
                 **kwargs,
             )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
+        if request.continue_final_message:
+            # Cut the rendering right after the final message's text, leaving its turn open to be continued
+            # (what transformers' apply_chat_template does).
+            final = messages[-1]["content"]
+            final = final if final in text else final.strip()
+            if final not in text:
+                raise TemplateError(
+                    "The chat template does not show the final message verbatim, so it cannot be continued.",
+                    "continue_final_message",
+                )
+            text = text[: text.rindex(final) + len(final)]
         return Prompt(text=text, ids=self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """A legacy completion's prompt: text is tokenized with the model's special tokens, ids are taken as is."""
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt).ids

@@ -11,12 +11,14 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from shared.protocol import Event, EventKind, Job, JobStatus, error_body
+from shared.protocol import ChatCompletionRequest, Event, EventKind, Job, JobStatus, error_body
 from worker import chunks
+from worker.chunks import TokenInfo
 from worker.detokenize import TextStream
 from worker.engine import Engine, Finish, Output, Sequence
 from worker.parse import ContentParser, Delta, Parser
@@ -32,38 +34,78 @@ class Choice:
     seq: Sequence
     text: TextStream
     parser: Parser
-    content: list[str] = field(default_factory=list)
+    deltas: list[Delta] = field(default_factory=list)
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    unsent_logprobs: list[TokenInfo] = field(default_factory=list)
+    sent_chars: int = 0  # characters streamed so far (legacy text_offset)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class Decoder:
+    """Token ids -> strings for logprob entries, cached: the same few thousand ids come back all the time."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.token = lru_cache(maxsize=65536)(self._token)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def info(self, token_id: int, logprob, top) -> TokenInfo:
+        return TokenInfo(self.token(token_id), logprob, [(self.token(t), lp) for t, lp in top])
 
 
 class JobRun:
     """One job's state inside the worker: its choices (engine sequences) and its event numbering."""
 
-    def __init__(self, job: Job, tokenizer: Tokenizer, eos_ids: list[int], max_model_len: int):
+    def __init__(self, job: Job, decoder: Decoder, eos_ids: list[int], max_model_len: int):
         self.job = job
+        self.decoder = decoder
         self.done = threading.Event()
         self.status: JobStatus | None = None
         self.error: str | None = None
         self.last_seq = 0
-        self.chunks = chunks.ChunkMaker(job.id, job.created, job.model)
         req = job.request
+        if isinstance(req, ChatCompletionRequest):
+            self.chunks: chunks.ChatChunks = chunks.ChatChunks(job.id, job.created, job.model, req.response_role)
+            last = req.messages[-1]
+            self.echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
+        else:
+            self.chunks = chunks.TextChunks(job.id, job.created, job.model)
+            self.echo = decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False) if req.echo else ""
+        opts = req.stream_options
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         prompt = job.prompt_ids
         self.eos_ids = frozenset(eos_ids)
         room = max_model_len - len(prompt)
         max_tokens = min(req.max_new_tokens or room, room)
+        stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else self.eos_ids)
         self.choices = []
         for i in range(req.n):
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
                 # Choices of one request must differ, yet stay reproducible under one seed.
                 seed=None if req.seed is None else req.seed + i,
-                stop_token_ids=self.eos_ids,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.bias(),
+                min_tokens=req.min_tokens,
+                stop_token_ids=stop_ids,
+                logprobs=req.num_logprobs,
             )
             seq = Sequence(f"{job.id}/{i}", prompt, params, priority=req.priority)
-            text = TextStream(tokenizer, req.stop, skip_special_tokens=req.skip_special_tokens)
+            text = TextStream(
+                decoder.tokenizer,
+                req.stop,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop=req.include_stop_str_in_output,
+            )
             self.choices.append(Choice(i, seq, text, ContentParser()))
 
     @property
@@ -76,13 +118,24 @@ class JobRun:
 
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None) -> Event:
         self.last_seq += 1
+        if self.continuous_usage and data is not None and data.get("choices"):
+            data["usage"] = chunks.usage(len(self.job.prompt_ids), self.completion_tokens)
         return Event(seq=self.last_seq, event=kind, data=data)
 
     def start(self) -> list[Event]:
-        return [
-            self._event(EventKind.chunk, self.chunks.choice(c.index, {"role": "assistant", "content": ""}))
-            for c in self.choices
-        ]
+        events = []
+        for c in self.choices:
+            first = self.chunks.start(c.index)
+            if first is not None:
+                events.append(self._event(EventKind.chunk, first))
+            if self.echo:
+                echo = Delta(content=self.echo)
+                c.deltas.append(echo)
+                c.sent_chars += len(self.echo)
+                events.append(
+                    self._event(EventKind.chunk, self.chunks.chunk(c.index, self.chunks.delta(c.index, echo)))
+                )
+        return events
 
     def on_output(self, choice: Choice, out: Output) -> tuple[list[Event], bool]:
         """Returns the events for one engine output and whether the engine must drop the sequence (a stop string)."""
@@ -90,38 +143,61 @@ class JobRun:
             return [], False
         delta = Delta()
         stop_now = False
+        seq = out.seq
         if out.token is not None:
-            piece = choice.text.add(out.token)
+            ended_by_token = out.finish is Finish.stop and out.token in seq.params.stop_token_ids
+            if out.logprob is not None and not ended_by_token:
+                choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top))
+            # min_tokens holds off stop strings as well as stop tokens.
+            piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
             delta = _merge(delta, choice.parser.feed(piece.text))
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
                 stop_now = out.finish is None
         if out.finish is Finish.error:
-            self.error = out.seq.error or "generation failed"
+            self.error = seq.error or "generation failed"
             choice.finish_reason = "error"
         elif out.finish is Finish.cancelled:
             choice.finish_reason = "abort"
         elif out.finish is not None and choice.finish_reason is None:
             choice.finish_reason = out.finish.value
-            last = out.seq.output_ids[-1] if out.seq.output_ids else None
+            last = seq.output_ids[-1] if seq.output_ids else None
             if out.finish is Finish.stop and last not in self.eos_ids:
                 choice.stop_reason = last
-        if choice.finish_reason is not None and choice.finish_reason not in ("error", "abort"):
-            if choice.stop_reason is None or isinstance(choice.stop_reason, int):
+        ending = choice.finish_reason in ("stop", "length")
+        if ending:
+            if not isinstance(choice.stop_reason, str):  # no stop string: what was held back is plain text
                 delta = _merge(delta, choice.parser.feed(choice.text.flush()))
             delta = _merge(delta, choice.parser.finish())
-        choice.content.append(delta.content)
+        choice.deltas.append(delta)
         events = []
         if delta:
-            events.append(self._event(EventKind.chunk, self.chunks.choice(choice.index, chunks.delta_json(delta))))
-        if choice.finish_reason in ("stop", "length"):
             events.append(
                 self._event(
                     EventKind.chunk,
-                    self.chunks.choice(choice.index, {}, choice.finish_reason, choice.stop_reason),
+                    self.chunks.chunk(
+                        choice.index, self.chunks.delta(choice.index, delta), self._take_logprobs(choice)
+                    ),
+                )
+            )
+            choice.sent_chars += len(delta.content)
+        if ending:
+            events.append(
+                self._event(
+                    EventKind.chunk,
+                    self.chunks.chunk(
+                        choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
+                    ),
                 )
             )
         return events, stop_now
+
+    def _take_logprobs(self, choice: Choice) -> dict[str, Any] | None:
+        if choice.seq.params.logprobs is None or not choice.unsent_logprobs:
+            return None
+        tokens, choice.unsent_logprobs = choice.unsent_logprobs, []
+        choice.logprobs.extend(tokens)
+        return self.chunks.logprobs(tokens, choice.sent_chars)
 
     def end(self) -> tuple[list[Event], JobEnd]:
         """The job's closing events and final record, once every choice finished."""
@@ -130,23 +206,17 @@ class JobRun:
             body = error_body(self.error, "InternalServerError", 500)
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, completion_tokens, error=body["error"])
-        result = chunks.completion(
-            self.job.id,
-            self.job.created,
-            self.job.model,
-            [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.content)},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in self.choices
-            ],
-            prompt_tokens,
-            completion_tokens,
-        )
+        final = []
+        for c in self.choices:
+            content = "".join(d.content for d in c.deltas)
+            reasoning = "".join(d.reasoning for d in c.deltas) or None
+            logprobs = None
+            if c.seq.params.logprobs is not None:
+                logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs, len(self.echo))
+            final.append(
+                self.chunks.final_choice(c.index, content, reasoning, [], logprobs, c.finish_reason, c.stop_reason)
+            )
+        result = self.chunks.final(final, prompt_tokens, completion_tokens)
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         opts = self.job.request.stream_options
@@ -170,7 +240,7 @@ class Runner:
         max_model_len: int,
     ):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.decoder = Decoder(tokenizer)
         self.eos_ids = eos_ids
         self.publisher = publisher
         self.max_model_len = max_model_len
@@ -189,7 +259,7 @@ class Runner:
         self.thread.join(timeout=10)
 
     def submit(self, job: Job) -> JobRun:
-        run = JobRun(job, self.tokenizer, self.eos_ids, self.max_model_len)
+        run = JobRun(job, self.decoder, self.eos_ids, self.max_model_len)
         self._new.put(run)
         self.engine.wakeup.set()
         return run

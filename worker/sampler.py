@@ -1,4 +1,8 @@
-"""Per-sequence sampling over a batch of logits: every row keeps its own temperature, top-p, top-k and seed."""
+"""Per-sequence sampling over a batch of logits: every row keeps its own parameters, history and seed.
+
+Order as in vLLM: min_tokens, logit_bias and penalties shape the logits, then temperature, top-k, top-p and min-p
+pick the candidates. Logprobs are reported from the model's raw distribution, before any of that.
+"""
 
 from __future__ import annotations
 
@@ -14,40 +18,117 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    # Every id that ends the sequence: EOS (unless ignore_eos) and the request's stop_token_ids.
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def shapes_logits(self) -> bool:
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, V] float32. Returns one token id per row."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    if bool(greedy.all()):
-        return logits.argmax(dim=-1).tolist()
-    temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params], device=logits.device)
-    scaled = logits / temps[:, None]
+
+@dataclass
+class Row:
+    """One sequence as the sampler sees it."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.shapes_logits:
+            continue
+        line = logits[i]
+        if len(row.output_ids) < p.min_tokens and p.stop_token_ids:
+            line[[t for t in p.stop_token_ids if t < vocab]] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=line.device)
+            line.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=line.device, dtype=line.dtype))
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=line.device)
+            vals = line[seen]
+            line[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(row.output_ids, device=line.device), minlength=vocab)[:vocab]
+            line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    dev = scaled.device
+    params = [r.params for r in rows]
     if any(p.top_k > 0 for p in params):
-        k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=logits.device)
+        k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params], device=dev)
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    probs = scaled.softmax(dim=-1)
-    # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw their
-    # noise from their own generator, so a seed gives the same text whatever else shares the batch.
-    noise = torch.empty_like(probs).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
+        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return scaled
+
+
+def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [B, V] float32, modified in place. Returns one token id and its logprobs (if asked) per row."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = logits[want].log_softmax(dim=-1) if want else None
+    _shape(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        temps = torch.tensor([max(r.params.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
+        probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
+        # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw
+        # their noise from their own generator, so a seed gives the same text whatever else shares the batch.
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    ids = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    if raw is not None:
+        k = max(rows[i].params.logprobs or 0 for i in want)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        chosen = raw.gather(1, torch.tensor([[ids[i]] for i in want], device=raw.device))[:, 0].tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            logprobs[i] = TokenLogprob(chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
+    return ids, logprobs
