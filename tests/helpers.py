@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import redis
+
+from shared import keys
 
 
 @dataclass
@@ -61,3 +64,19 @@ def wait_for(http: httpx.Client, job_id: str, until: Callable[[dict[str, Any]], 
             return job
         assert time.time() < deadline, f"job {job_id} stuck: {job}"
         time.sleep(0.05)
+
+
+def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
+    """What a refused request must leave unchanged: job records, the Celery queue and the waiting set."""
+    jobs = sum(1 for k in r.scan_iter("chatq:job:*") if k.count(":") == 2)
+    queued = sum(r.llen(k) for k in r.scan_iter(keys.celery_queue(model) + "*"))
+    return jobs, queued, r.zcard(keys.waiting(model))
+
+
+def assert_error(resp: httpx.Response, status: int, type_: str, param: str | None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (type_, param, status), error
+    assert error["message"]
+    return error

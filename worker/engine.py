@@ -274,13 +274,15 @@ class Engine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
         try:
-            tokens, logprobs = sample(logits, rows)
+            with torch.inference_mode():  # the logits are inference tensors; shaping them in place needs this
+                tokens, logprobs = sample(logits, rows)
         except Exception:
             # One sequence's parameters must not sink the batch: sample row by row to find the culprit.
             tokens, logprobs = [], []
             for i, s in enumerate(seqs):
                 try:
-                    t, lp = sample(logits[i : i + 1], rows[i : i + 1])
+                    with torch.inference_mode():
+                        t, lp = sample(logits[i : i + 1], rows[i : i + 1])
                     tokens.append(t[0])
                     logprobs.append(lp[0])
                 except Exception as e:

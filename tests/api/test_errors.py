@@ -2,54 +2,107 @@
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
-import redis
 
-from shared import keys
-
-
-def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
-    jobs = sum(1 for k in r.scan_iter("chatq:job:*") if k.count(":") == 2)
-    return jobs, r.llen(keys.celery_queue(model)), r.zcard(keys.waiting(model))
-
-
-def assert_error(resp: httpx.Response, status: int, type_: str, param: str | None) -> dict:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert (error["type"], error["param"], error["code"]) == (type_, param, status)
-    assert error["message"]
-    return error
-
+from tests.helpers import assert_error, snapshot
 
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "type_", "param"),
-    [
-        ({"model": "gpt-9", "messages": OK_MESSAGES}, 404, "NotFoundError", "model"),
-        ({"model": "gpt-9", "messages": OK_MESSAGES, "stream": True}, 404, "NotFoundError", "model"),
-        ({}, 400, "BadRequestError", "messages"),
-        ({"messages": []}, 400, "BadRequestError", "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "BadRequestError", "messages.0.role"),
-        ({"messages": OK_MESSAGES, "temperature": 3}, 400, "BadRequestError", "temperature"),
-        ({"messages": OK_MESSAGES, "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
-        (
-            {"messages": OK_MESSAGES, "stream_options": {"include_usage": True}},
-            400,
-            "BadRequestError",
-            "stream_options",
-        ),
-        ({"messages": OK_MESSAGES, "max_tokens": 10**6}, 400, "BadRequestError", "max_tokens"),
-    ],
-)
+M = OK_MESSAGES
+LONG_PROMPT = [{"role": "user", "content": "hello " * 9000}]
+BAD = "BadRequestError"
+
+# Each invalid request of the reference contract: (body, status, error type, param).
+INVALID = [
+    ({"model": "gpt-9", "messages": M}, 404, "NotFoundError", "model"),
+    ({"model": "gpt-9", "messages": M, "stream": True}, 404, "NotFoundError", "model"),
+    ({}, 400, BAD, "messages"),
+    ({"messages": []}, 400, BAD, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, BAD, "messages.0.role"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        BAD,
+        "messages",
+    ),
+    ({"messages": M, "temperature": 3}, 400, BAD, "temperature"),
+    ({"messages": M, "temperature": -0.5}, 400, BAD, "temperature"),
+    ({"messages": M, "top_p": 0}, 400, BAD, "top_p"),
+    ({"messages": M, "top_p": 1.5}, 400, BAD, "top_p"),
+    ({"messages": M, "top_k": -2}, 400, BAD, "top_k"),
+    ({"messages": M, "min_p": 1.5}, 400, BAD, "min_p"),
+    ({"messages": M, "n": 0}, 400, BAD, "n"),
+    ({"messages": M, "n": 2, "temperature": 0}, 400, BAD, "n"),
+    ({"messages": M, "max_tokens": 0}, 400, BAD, "max_tokens"),
+    ({"messages": M, "max_completion_tokens": 0}, 400, BAD, "max_completion_tokens"),
+    ({"messages": M, "max_tokens": 10**6}, 400, BAD, "max_tokens"),
+    ({"messages": M, "max_completion_tokens": 10**6, "max_tokens": 5}, 400, BAD, "max_completion_tokens"),
+    ({"messages": M, "min_tokens": 10, "max_tokens": 5}, 400, BAD, "min_tokens"),
+    ({"messages": M, "stop": ["a", "b", "c", "d", "e"]}, 400, BAD, "stop"),
+    ({"messages": M, "stop": [""]}, 400, BAD, "stop"),
+    ({"messages": M, "seed": 2**64}, 400, BAD, "seed"),
+    ({"messages": M, "presence_penalty": 2.5}, 400, BAD, "presence_penalty"),
+    ({"messages": M, "frequency_penalty": -2.5}, 400, BAD, "frequency_penalty"),
+    ({"messages": M, "repetition_penalty": 0}, 400, BAD, "repetition_penalty"),
+    ({"messages": M, "logit_bias": {"abc": 1, "12": 2, "x": 3}}, 400, BAD, "logit_bias"),
+    ({"messages": M, "logit_bias": {"99999999": 1}}, 400, BAD, "logit_bias"),
+    ({"messages": M, "top_logprobs": 3}, 400, BAD, "top_logprobs"),
+    ({"messages": M, "logprobs": True, "top_logprobs": 21}, 400, BAD, "top_logprobs"),
+    ({"messages": M, "stream_options": {"include_usage": True}}, 400, BAD, "stream_options"),
+    ({"messages": M, "stop_token_ids": [10**8]}, 400, BAD, "stop_token_ids"),
+    ({"messages": M, "continue_final_message": True}, 400, BAD, "continue_final_message"),
+    (
+        {
+            "messages": [*M, {"role": "assistant", "content": "x"}],
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+        400,
+        BAD,
+        "continue_final_message",
+    ),
+    ({"messages": M, "truncate_prompt_tokens": 0}, 400, BAD, "truncate_prompt_tokens"),
+    ({"messages": M, "truncate_prompt_tokens": 10**6}, 400, BAD, "truncate_prompt_tokens"),
+    ({"messages": LONG_PROMPT}, 400, BAD, "input_tokens"),
+    ({"messages": M, "return_tokens_as_token_ids": True}, 400, BAD, "return_tokens_as_token_ids"),
+    ({"messages": M, "audio": {"voice": "x"}}, 400, BAD, "audio"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "type_", "param"), INVALID)
 def test_invalid_request_is_refused_and_enqueues_nothing(http, r, model_name, body, status, type_, param):
     before = snapshot(r, model_name)
     assert_error(http.post("/v1/chat/completions", json=body), status, type_, param)
     assert snapshot(r, model_name) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 5}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "logprobs": 30}, "logprobs"),
+        ({"prompt": [10**8]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
+    before = snapshot(r, model_name)
+    assert_error(http.post("/v1/completions", json=body), 400, BAD, param)
+    assert snapshot(r, model_name) == before
+
+
+def test_logit_bias_error_lists_every_bad_key(http):
+    body = {"messages": M, "logit_bias": {"abc": 1, "12": 2, "x": 3}}
+    message = http.post("/v1/chat/completions", json=body).json()["error"]["message"]
+    assert "'abc'" in message and "'x'" in message and "'12'" not in message
+
+
+def test_too_long_prompt_says_how_long(http):
+    message = http.post("/v1/chat/completions", json={"messages": LONG_PROMPT}).json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 8192 tokens. However, your prompt contains ")
 
 
 def test_malformed_json_is_a_400(http, r, model_name):

@@ -1,0 +1,64 @@
+"""One job's events as the worker builds them, fed by hand-made engine outputs (no model)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
+from shared.settings import Settings
+from worker.engine import Finish, Output
+from worker.runner import Decoder, JobRun
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Decoder:
+    return Decoder(Tokenizer.from_file(str(Settings().model_dir / "tokenizer.json")))
+
+
+def job(**fields) -> Job:
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+    return Job(id="chatcmpl-test", model="m", request=request, prompt_ids=[1, 2, 3])
+
+
+def ids(decoder: Decoder, text: str) -> list[int]:
+    return decoder.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
+    run = JobRun(job(stream=True), decoder, eos_ids=[2], max_model_len=100)
+    events = run.start()
+    choice = run.choices[0]
+    for t in ids(decoder, "Hello there"):
+        choice.seq.output_ids.append(t)
+        events += run.on_output(choice, Output(choice.seq, t, None))[0]
+    choice.seq.error = "generation failed: device lost"
+    events += run.on_output(choice, Output(choice.seq, None, Finish.error))[0]
+    assert run.finished
+    closing, end = run.end()
+    events += closing
+    assert [e.event for e in events[-2:]] == [EventKind.error, EventKind.done]
+    assert events[-2].data["error"]["message"] == "generation failed: device lost"
+    assert events[-2].sse_data().startswith('{"error":')
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert end.status is JobStatus.failed and end.error["code"] == 500
+    streamed = "".join(e.data["choices"][0]["delta"].get("content", "") for e in events if e.event is EventKind.chunk)
+    assert streamed == "Hello there"
+
+
+def test_each_choice_finishes_once_and_usage_comes_last(decoder):
+    run = JobRun(job(n=2, temperature=1.0, stream=True, stream_options={"include_usage": True}), decoder,
+                 eos_ids=[2], max_model_len=100)
+    events = run.start()
+    for c in run.choices:
+        for t in [*ids(decoder, "ok"), 2]:
+            c.seq.output_ids.append(t)
+            events += run.on_output(c, Output(c.seq, t, Finish.stop if t == 2 else None))[0]
+    closing, end = run.end()
+    events += closing
+    finishes = [(e.data["choices"][0]["index"], e.data["choices"][0]["finish_reason"]) for e in events
+                if e.event is EventKind.chunk and e.data["choices"] and e.data["choices"][0]["finish_reason"]]
+    assert finishes == [(0, "stop"), (1, "stop")]
+    assert events[-2].data["choices"] == [] and events[-2].data["usage"]["completion_tokens"] == 2 * 2
+    assert end.status is JobStatus.completed
+    assert [c["message"]["content"] for c in end.result["choices"]] == ["ok", "ok"]

@@ -1,0 +1,82 @@
+"""Each sampling parameter on hand-made logits: one row at a time and mixed in one batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.sampler import Row, SamplingParams, sample
+
+
+def pick(logits: list[float], output_ids: list[int] | None = None, prompt_ids: list[int] | None = None, **params):
+    p = SamplingParams(max_tokens=10, **{"temperature": 0.0, **params})
+    t = torch.tensor([logits])
+    return sample(t, [Row(p, None, prompt_ids or [], output_ids or [])])[0][0]
+
+
+BASE = [0.0, 5.0, 4.9, 1.0, 0.5, 0.0, -1.0, 3.0]
+
+
+def test_greedy_takes_the_largest():
+    assert pick(BASE) == 1
+
+
+def test_logit_bias_can_forbid_and_force():
+    assert pick(BASE, logit_bias={1: -100.0}) == 2
+    assert pick(BASE, logit_bias={6: 100.0}) == 6
+
+
+def test_min_tokens_blocks_stop_tokens_until_reached():
+    assert pick(BASE, stop_token_ids=frozenset({1}), min_tokens=2, output_ids=[3]) == 2
+    assert pick(BASE, stop_token_ids=frozenset({1}), min_tokens=1, output_ids=[3]) == 1
+
+
+def test_penalties_push_repeated_tokens_down():
+    assert pick(BASE, output_ids=[1], presence_penalty=0.2) == 2
+    assert pick(BASE, output_ids=[2, 2], presence_penalty=0.2) == 1
+    assert pick(BASE, output_ids=[1, 1], frequency_penalty=0.06) == 2
+    assert pick(BASE, output_ids=[1], frequency_penalty=0.06) == 1  # 5 - 0.06 > 4.9
+    assert pick(BASE, prompt_ids=[1], repetition_penalty=1.1) == 2  # 5 / 1.1 < 4.9
+
+
+def test_truncation_keeps_only_the_allowed_candidates():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        p = SamplingParams(max_tokens=10, temperature=1.0, top_k=2)
+        token = sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0]
+        assert token in (1, 2)
+        p = SamplingParams(max_tokens=10, temperature=1.0, min_p=0.5)
+        assert sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0] in (1, 2)
+        p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.3)
+        assert sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0] == 1
+
+
+def test_rows_keep_their_own_parameters_in_one_batch():
+    logits = torch.tensor([BASE, BASE, BASE])
+    rows = [
+        Row(SamplingParams(max_tokens=10, temperature=0.0), None, [], []),
+        Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={7: 10.0}), None, [], []),
+        Row(SamplingParams(max_tokens=10, temperature=1.0, top_k=1), torch.Generator().manual_seed(1), [], []),
+    ]
+    assert sample(logits, rows)[0] == [1, 7, 1]
+
+
+def test_seeded_rows_repeat():
+    def draw(seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        p = SamplingParams(max_tokens=10, temperature=1.5)
+        return [sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0] for _ in range(20)]
+
+    assert draw(5) == draw(5) and draw(5) != draw(6)
+
+
+def test_logprobs_come_from_the_raw_distribution():
+    p = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, logit_bias={6: 100.0})
+    tokens, lps = sample(torch.tensor([BASE]), [Row(p, None, [], [])])
+    raw = torch.tensor(BASE).log_softmax(-1)
+    assert tokens == [6]
+    assert lps[0].logprob == pytest.approx(float(raw[6]))
+    assert [t for t, _ in lps[0].top] == [1, 2]
+    assert math.isclose(lps[0].top[0][1], float(raw[1]), rel_tol=1e-5)
