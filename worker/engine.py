@@ -219,50 +219,55 @@ class Engine:
             budget -= n
         return decodes + prefills
 
+    def _slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """Cache slots of a sequence's first `length` tokens, from its blocks (on the device)."""
+        bs = self.block_size
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
+
     def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        # Per-token Python work is kept to the new tokens; everything proportional to context length (slot tables,
+        # masks) is built with tensor ops, since a step may carry hundreds of sequences with long contexts.
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logits_at: list[int] = []
         emitting: list[Sequence] = []
-        dec_ctx: list[list[int]] = []
+        decodes: list[Sequence] = []
         prefills = []
-        num_decode = 0
         for seq, n in scheduled:
             start = len(ids)
-            tokens = seq.tokens
-            new = range(seq.num_cached, seq.num_cached + n)
-            ids.extend(tokens[i] for i in new)
-            pos.extend(new)
-            seq_slots = [seq.blocks[i // bs] * bs + i % bs for i in range(seq.num_cached + n)]
-            slots.extend(seq_slots[seq.num_cached :])
-            if seq.num_cached + n == len(tokens):
+            first = seq.num_cached
+            tokens = seq.prompt_ids if first + n <= len(seq.prompt_ids) else seq.tokens
+            ids.extend(tokens[first : first + n])
+            pos.extend(range(first, first + n))
+            slots.extend(seq.blocks[i // bs] * bs + i % bs for i in range(first, first + n))
+            if first + n == len(seq):
                 logits_at.append(start + n - 1)
                 emitting.append(seq)
-            if n == 1 and seq.num_cached + 1 == len(tokens) and not prefills:
-                num_decode += 1
-                dec_ctx.append(seq_slots)
-            else:
-                total = seq.num_cached + n
-                ctx = torch.tensor(seq_slots, device=dev)
-                # Query i sits at position num_cached + i and sees every key up to and including itself.
-                mask = (
-                    torch.arange(total, device=dev)[None, :] <= torch.arange(seq.num_cached, total, device=dev)[:, None]
-                )
-                prefills.append((start, start + n, ctx, mask))
-        dec_ctx_t = dec_mask = None
-        if num_decode:
-            lmax = max(len(c) for c in dec_ctx)
-            lens = torch.tensor([len(c) for c in dec_ctx], device=dev)
-            dec_ctx_t = torch.tensor([c + [c[0]] * (lmax - len(c)) for c in dec_ctx], device=dev)
-            dec_mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            if n == 1 and first + 1 == len(seq) and not prefills:
+                decodes.append(seq)
+                continue
+            total = first + n
+            ctx = self._slots(torch.tensor(seq.blocks, device=dev), total)
+            # Query i sits at position first + i and sees every key up to and including itself.
+            mask = torch.arange(total, device=dev)[None, :] <= torch.arange(first, total, device=dev)[:, None]
+            prefills.append((start, start + n, ctx, mask))
+        dec_ctx = dec_mask = None
+        if decodes:
+            lens = torch.tensor([len(s) for s in decodes], device=dev)
+            width = max(len(s.blocks) for s in decodes)
+            table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], device=dev)
+            lmax = int(max(len(s) for s in decodes))
+            offsets = torch.arange(lmax, device=dev)
+            dec_ctx = table[:, offsets // bs] * bs + offsets % bs  # [D, Lmax]; padding reads block 0, masked below
+            dec_mask = (offsets[None, :] < lens[:, None])[:, None, None, :]
         batch = Batch(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
             slots=torch.tensor(slots, device=dev),
-            num_decode=num_decode,
-            dec_ctx=dec_ctx_t,
+            num_decode=len(decodes),
+            dec_ctx=dec_ctx,
             dec_mask=dec_mask,
             prefills=prefills,
             logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),

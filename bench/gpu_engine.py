@@ -1,0 +1,176 @@
+"""The engine alone on random-weight models shaped like the anchors (../shared/bench/hf_baseline.py builds the same).
+
+Load: 256 requests, prompts of 64-512 random tokens, 256 new tokens each, greedy, no EOS; all submitted at once,
+continuous batching decides the rest. Prints a table and writes results.json to $OUT (or /tmp/out).
+
+    python bench/gpu_engine.py                    # qwen0.5b and llama8b on CUDA, bf16
+    MODELS=tiny N=16 NEW=8 python bench/gpu_engine.py   # a quick check on CPU
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from worker.engine import Engine, Sequence  # noqa: E402
+from worker.forward import KVCache  # noqa: E402
+from worker.sampler import SamplingParams  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+N = int(os.environ.get("N", "256"))
+NEW = int(os.environ.get("NEW", "256"))
+CHUNK = int(os.environ.get("CHUNK", "8192"))
+
+
+def config(kind: str):
+    if kind == "qwen0.5b":
+        return Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        )
+    if kind == "llama8b":
+        return LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        )
+    return Qwen2Config(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, int, list[float]]:
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=new, temperature=0.0)))
+    sync()
+    t0 = time.perf_counter()
+    tokens, step_times = 0, []
+    while engine.has_work():
+        t = time.perf_counter()
+        tokens += sum(1 for o in engine.step() if o.token is not None)
+        step_times.append(time.perf_counter() - t)
+    sync()
+    return time.perf_counter() - t0, tokens, step_times
+
+
+def check_against_transformers() -> bool:
+    """Greedy tokens of the engine equal transformers' own forward on a small fp32 model, on this device."""
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(config("tiny"), dtype=torch.float32).eval()
+    prompts = [torch.randint(10, 990, (n,)).tolist() for n in (5, 37, 64, 130)]
+    engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=50, max_model_len=2048)
+    got = {}
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=12, temperature=0.0)))
+    while engine.has_work():
+        for o in engine.step():
+            if o.finish:
+                got[o.seq.id] = o.seq.output_ids
+    ok = True
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], device=DEV)
+            want = []
+            for _ in range(12):
+                nxt = int(model(ids).logits[0, -1].argmax())
+                want.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]], device=DEV)], dim=1)
+            ok &= want == got[str(i)]
+    return ok
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    print(
+        json.dumps(
+            {
+                "check_against_transformers": check_against_transformers(),
+                "device": DEV,
+                "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None,
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
+    results = []
+    for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):
+        cfg = config(kind)
+        with torch.device(DEV):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=DT).eval()
+        per_token = KVCache.bytes_per_token(cfg, DT)
+        if DEV == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            kv_tokens = int(free * 0.8) // per_token
+        else:
+            kv_tokens = 64 * 1024
+        engine = Engine(
+            model, kv_tokens=kv_tokens, block_size=16, prefill_chunk=CHUNK, max_model_len=cfg.max_position_embeddings
+        )
+        random.seed(0)
+        prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
+        run(engine, prompts[:4], 4)  # warm-up: kernels, allocator
+        wall, tokens, steps = run(engine, prompts, NEW)
+        steps.sort()
+        row = dict(
+            model=kind,
+            device=DEV,
+            n_req=N,
+            new=NEW,
+            gen_tokens=tokens,
+            s=round(wall, 2),
+            tok_s=round(tokens / wall, 1),
+            steps=len(steps),
+            step_ms_p50=round(1000 * steps[len(steps) // 2], 2),
+            kv_tokens=kv_tokens,
+            prefill_chunk=CHUNK,
+        )
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        (OUT / "engine_results.json").write_text(json.dumps(results, indent=1))
+        del engine, model
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'model':<10} {'requests':>8} {'new':>5} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'step p50 ms':>12}")
+    for r in results:
+        print(
+            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['gen_tokens']:>8} {r['s']:>8} {r['tok_s']:>10} "
+            f"{r['step_ms_p50']:>12}"
+        )
+
+
+if __name__ == "__main__":
+    main()
