@@ -66,7 +66,11 @@ class Model:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    # Every open stream holds a pub/sub connection, so the pool grows with the streams instead of capping at 100.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, decode_responses=True, max_connections=10_000, timeout=None
+    )
+    client = aioredis.Redis(connection_pool=pool)
     store = JobStore(client, make_celery(settings), settings)
     relay = Relay(client)
     model = Model(settings)

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    """A JSON schema must itself be valid JSON Schema, so a bad one is a 400 here and never a failed job."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(schema, dict):
+        raise RequestError("A JSON schema must be an object.", param)
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
+
 
 # --- the HTTP request ---------------------------------------------------------------------------------
 
@@ -59,10 +74,6 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's or vLLM's request that chatq does not honour: sending one (with a non-default value) is a
 # 400 naming it, never a silent no-op.
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
-    "response_format",
-    "structured_outputs",
     "return_tokens_as_token_ids",
     "audio",
     "modalities",
@@ -186,8 +197,67 @@ class GenerationRequest(BaseModel):
         return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
 
 
+class Function(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's constraint kinds; exactly one may be given."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    def kinds(self) -> list[str]:
+        return [
+            k
+            for k, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if v is not None
+        ]
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -215,6 +285,8 @@ class ChatCompletionRequest(GenerationRequest):
                 raise RequestError(
                     f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
                 )
+        self._check_tools()
+        self._check_structured()
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -226,6 +298,58 @@ class ChatCompletionRequest(GenerationRequest):
             )
         for m in self.messages:
             m.text()
+
+    def _check_tools(self) -> None:
+        if self.tools is not None and not self.tools:
+            raise RequestError("`tools` must not be an empty list; leave it out instead.", "tools")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise RequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise RequestError(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+
+    def _check_structured(self) -> None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestError(
+                    "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
+                )
+            _check_schema(fmt.json_schema.schema_, "response_format")
+        so = self.structured_outputs
+        if so is not None:
+            kinds = so.kinds()
+            if len(kinds) != 1:
+                raise RequestError(
+                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
+                )
+            if isinstance(self.tool_choice, NamedToolChoice):
+                raise RequestError(
+                    "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
+                )
+            if fmt is not None and fmt.type != "text":
+                raise RequestError(
+                    "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
+                )
+            if so.regex is not None:
+                try:
+                    re.compile(so.regex)
+                except re.error as e:
+                    raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+            if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
+                raise RequestError("structured_outputs.choice needs non-empty strings.", "structured_outputs")
+            if so.grammar is not None and not so.grammar.strip():
+                raise RequestError("structured_outputs.grammar must not be empty.", "structured_outputs")
+            if isinstance(so.json_, dict):
+                _check_schema(so.json_, "structured_outputs")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces, if any."""
+        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @property
     def response_role(self) -> str:
@@ -306,7 +430,7 @@ class Job(BaseModel):
             "kind": self.kind,
             "created": str(self.created),
             "status": self.status.value,
-            "request": self.request.model_dump_json(exclude_unset=True),
+            "request": self.request.model_dump_json(exclude_unset=True, by_alias=True),
             "attempts": str(self.attempts),
             "completion_tokens": str(self.completion_tokens),
         }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import redis
 import torch
@@ -11,6 +13,7 @@ from tokenizers import Tokenizer
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.forward import KVCache
+from worker.grammar import GrammarCompiler
 from worker.model import ensure_model_dir, load_model
 from worker.publish import Publisher
 from worker.render import Renderer
@@ -48,4 +51,21 @@ def build_runner(settings: Settings, client: redis.Redis) -> Runner:
     log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
     renderer = Renderer(path)
     tokenizer: Tokenizer = renderer.tokenizer
-    return Runner(engine, tokenizer, renderer.eos_token_ids, Publisher(client, settings), max_model_len)
+    compiler = GrammarCompiler(path, model.config.vocab_size, eos_token_ids=renderer.eos_token_ids)
+    return Runner(
+        engine,
+        tokenizer,
+        renderer.eos_token_ids,
+        Publisher(client, settings),
+        max_model_len,
+        settings=settings,
+        compiler=compiler,
+        defaults=generation_defaults(path),
+    )
+
+
+def generation_defaults(path: Path) -> dict:
+    """temperature / top_p / top_k the model's authors recommend, used when a request leaves them out."""
+    gen = path / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.exists() else {}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}

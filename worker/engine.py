@@ -18,11 +18,15 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.forward import Batch, KVCache, PagedForward
 from worker.sampler import Row, SamplingParams, TokenLogprob, sample
+
+if TYPE_CHECKING:
+    from worker.grammar import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # constrained decoding: what the output may be
     finish: Finish | None = None
     error: str | None = None
 
@@ -277,7 +282,7 @@ class Engine:
     # --- sampling and finishing ------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
+        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.grammar) for s in seqs]
         try:
             with torch.inference_mode():  # the logits are inference tensors; shaping them in place needs this
                 tokens, logprobs = sample(logits, rows)
@@ -303,7 +308,13 @@ class Engine:
                 continue
             seq.output_ids.append(token)
             finish = None
-            if token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens:
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.error, "the grammar rejected a sampled token"))
+                continue
+            stop_token = token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens
+            grammar_done = seq.grammar is not None and seq.grammar.is_terminated()
+            if stop_token or grammar_done:
                 finish = Finish.stop
             elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
                 finish = Finish.length

@@ -16,14 +16,16 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from shared.protocol import ChatCompletionRequest, Event, EventKind, Job, JobStatus, error_body
+from shared.protocol import ChatCompletionRequest, Event, EventKind, Job, JobStatus, RequestError, error_body
+from shared.settings import Settings
 from worker import chunks
 from worker.chunks import TokenInfo
 from worker.detokenize import TextStream
 from worker.engine import Engine, Finish, Output, Sequence
-from worker.parse import ContentParser, Delta, Parser
+from worker.grammar import GrammarCompiler, GrammarState
+from worker.parse import Delta, Parser, combine
+from worker.plan import plan
 from worker.publish import JobEnd, Publisher, StepWrites
-from worker.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,54 +61,60 @@ class Decoder:
 class JobRun:
     """One job's state inside the worker: its choices (engine sequences) and its event numbering."""
 
-    def __init__(self, job: Job, decoder: Decoder, eos_ids: list[int], max_model_len: int):
+    def __init__(
+        self,
+        job: Job,
+        decoder: Decoder,
+        eos_ids: list[int],
+        max_model_len: int,
+        *,
+        defaults: dict | None = None,
+        compiler: GrammarCompiler | None = None,
+        settings: Settings | None = None,
+    ):
         self.job = job
         self.decoder = decoder
         self.done = threading.Event()
         self.status: JobStatus | None = None
         self.error: str | None = None
+        self.rejected: dict[str, Any] | None = None
         self.last_seq = 0
+        self.reasoning_tokens = 0
         req = job.request
         if isinstance(req, ChatCompletionRequest):
             self.chunks: chunks.ChatChunks = chunks.ChatChunks(job.id, job.created, job.model, req.response_role)
             last = req.messages[-1]
             self.echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
+            self.include_reasoning = req.include_reasoning
         else:
             self.chunks = chunks.TextChunks(job.id, job.created, job.model)
             self.echo = decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False) if req.echo else ""
+            self.include_reasoning = True
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         prompt = job.prompt_ids
         self.eos_ids = frozenset(eos_ids)
         room = max_model_len - len(prompt)
         max_tokens = min(req.max_new_tokens or room, room)
-        stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else self.eos_ids)
-        self.choices = []
-        for i in range(req.n):
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
-                # Choices of one request must differ, yet stay reproducible under one seed.
-                seed=None if req.seed is None else req.seed + i,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=req.bias(),
-                min_tokens=req.min_tokens,
-                stop_token_ids=stop_ids,
-                logprobs=req.num_logprobs,
-            )
+        self.choices: list[Choice] = []
+        try:
+            self.plan = plan(req, max_tokens, self.eos_ids, defaults or {}, compiler, settings or Settings())
+        except RequestError as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
+            self.rejected = error_body(e.message, "BadRequestError", 400, e.param)["error"]
+            return
+        # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
+        skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
+        for i, params in enumerate(self.plan.params):
             seq = Sequence(f"{job.id}/{i}", prompt, params, priority=req.priority)
+            if self.plan.grammar is not None:
+                seq.grammar = GrammarState(self.plan.grammar)
             text = TextStream(
                 decoder.tokenizer,
                 req.stop,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=skip_special,
                 include_stop=req.include_stop_str_in_output,
             )
-            self.choices.append(Choice(i, seq, text, ContentParser()))
+            self.choices.append(Choice(i, seq, text, self.plan.make_parser()))
 
     @property
     def finished(self) -> bool:
@@ -144,12 +152,15 @@ class JobRun:
         delta = Delta()
         stop_now = False
         seq = out.seq
-        if out.token is not None:
-            ended_by_token = out.finish is Finish.stop and out.token in seq.params.stop_token_ids
-            if out.logprob is not None and not ended_by_token:
+        # The token that ended the sequence (EOS, a stop token id) is not part of the text.
+        ended_by_token = out.finish is Finish.stop and out.token in seq.params.stop_token_ids
+        if out.token is not None and not ended_by_token:
+            if out.logprob is not None:
                 choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top))
             # min_tokens holds off stop strings as well as stop tokens.
             piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
+            if self.plan.reasoning and getattr(choice.parser, "state", "content") != "content":
+                self.reasoning_tokens += 1
             delta = _merge(delta, choice.parser.feed(piece.text))
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
@@ -162,13 +173,18 @@ class JobRun:
         elif out.finish is not None and choice.finish_reason is None:
             choice.finish_reason = out.finish.value
             last = seq.output_ids[-1] if seq.output_ids else None
-            if out.finish is Finish.stop and last not in self.eos_ids:
+            if out.finish is Finish.stop and last not in self.eos_ids and last in seq.params.stop_token_ids:
                 choice.stop_reason = last
         ending = choice.finish_reason in ("stop", "length")
         if ending:
             if not isinstance(choice.stop_reason, str):  # no stop string: what was held back is plain text
                 delta = _merge(delta, choice.parser.feed(choice.text.flush()))
             delta = _merge(delta, choice.parser.finish())
+            made_calls = any(d.tool_calls for d in choice.deltas) or bool(delta.tool_calls)
+            if choice.finish_reason == "stop" and made_calls and not self.plan.named_tool:
+                choice.finish_reason = "tool_calls"
+        if not self.include_reasoning:
+            delta.reasoning = ""
         choice.deltas.append(delta)
         events = []
         if delta:
@@ -202,21 +218,29 @@ class JobRun:
     def end(self) -> tuple[list[Event], JobEnd]:
         """The job's closing events and final record, once every choice finished."""
         prompt_tokens, completion_tokens = len(self.job.prompt_ids), self.completion_tokens
+        if self.rejected is not None:
+            events = [self._event(EventKind.error, {"error": self.rejected}), self._event(EventKind.done)]
+            return events, JobEnd(self.job.id, JobStatus.failed, 0, error=self.rejected)
         if self.error is not None:
             body = error_body(self.error, "InternalServerError", 500)
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, completion_tokens, error=body["error"])
         final = []
         for c in self.choices:
-            content = "".join(d.content for d in c.deltas)
-            reasoning = "".join(d.reasoning for d in c.deltas) or None
+            content, reasoning, tool_calls = combine(c.deltas)
+            if self.plan.named_tool:
+                content = ""  # vLLM's shape: the call is the answer, content is empty rather than null
             logprobs = None
             if c.seq.params.logprobs is not None:
                 logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs, len(self.echo))
             final.append(
-                self.chunks.final_choice(c.index, content, reasoning, [], logprobs, c.finish_reason, c.stop_reason)
+                self.chunks.final_choice(
+                    c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
+                )
             )
         result = self.chunks.final(final, prompt_tokens, completion_tokens)
+        if self.plan.reasoning:
+            result["usage"]["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         opts = self.job.request.stream_options
@@ -238,12 +262,19 @@ class Runner:
         eos_ids: list[int],
         publisher: Publisher,
         max_model_len: int,
+        *,
+        settings: Settings,
+        compiler: GrammarCompiler | None = None,
+        defaults: dict | None = None,
     ):
         self.engine = engine
         self.decoder = Decoder(tokenizer)
         self.eos_ids = eos_ids
         self.publisher = publisher
         self.max_model_len = max_model_len
+        self.settings = settings
+        self.compiler = compiler
+        self.defaults = defaults or {}
         self._new: queue.SimpleQueue[JobRun] = queue.SimpleQueue()
         self.runs: dict[str, JobRun] = {}
         self.by_seq: dict[str, tuple[JobRun, Choice]] = {}
@@ -259,7 +290,15 @@ class Runner:
         self.thread.join(timeout=10)
 
     def submit(self, job: Job) -> JobRun:
-        run = JobRun(job, self.decoder, self.eos_ids, self.max_model_len)
+        run = JobRun(
+            job,
+            self.decoder,
+            self.eos_ids,
+            self.max_model_len,
+            defaults=self.defaults,
+            compiler=self.compiler,
+            settings=self.settings,
+        )
         self._new.put(run)
         self.engine.wakeup.set()
         return run
@@ -274,6 +313,7 @@ class Runner:
 
     def _iterate(self) -> None:
         writes = StepWrites()
+        touched: dict[str, JobRun] = {}
         while True:
             try:
                 run = self._new.get_nowait()
@@ -284,12 +324,13 @@ class Runner:
             for c in run.choices:
                 self.by_seq[c.seq.id] = (run, c)
                 self.engine.add(c.seq)
-        if not writes and not self.engine.has_work():
+            if run.finished:  # refused before generating anything
+                touched[run.job.id] = run
+        if not writes and not touched and not self.engine.has_work():
             self.engine.wakeup.wait(0.5)
             self.engine.wakeup.clear()
             return
-        touched: dict[str, JobRun] = {}
-        for out in self.engine.step():
+        for out in self.engine.step() if self.engine.has_work() else []:
             entry = self.by_seq.get(out.seq.id)
             if entry is None:  # the engine confirming a drop we asked for after the job had ended
                 continue
@@ -326,5 +367,5 @@ class Runner:
             del self.runs[run.job.id]
             for c in run.choices:
                 self.by_seq.pop(c.seq.id, None)
-            run.status = JobStatus.failed if run.error else JobStatus.completed
+            run.status = JobStatus.failed if run.error or run.rejected else JobStatus.completed
             run.done.set()

@@ -1,14 +1,18 @@
 """Per-sequence sampling over a batch of logits: every row keeps its own parameters, history and seed.
 
-Order as in vLLM: min_tokens, logit_bias and penalties shape the logits, then temperature, top-k, top-p and min-p
-pick the candidates. Logprobs are reported from the model's raw distribution, before any of that.
+Order as in vLLM: min_tokens, logit_bias and penalties shape the logits, a grammar masks what it forbids, then
+temperature, top-k, top-p and min-p pick the candidates. Logprobs come from the model's raw distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.grammar import GrammarState
 
 GREEDY_BELOW = 1e-5
 
@@ -53,6 +57,7 @@ class Row:
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -108,6 +113,10 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[want].log_softmax(dim=-1) if want else None
     _shape(logits, rows)
+    if any(r.grammar is not None for r in rows):
+        from worker.grammar import apply_masks
+
+        apply_masks(logits, [r.grammar for r in rows])
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     if bool(greedy.all()):
         tokens = logits.argmax(dim=-1)

@@ -62,3 +62,50 @@ def test_each_choice_finishes_once_and_usage_comes_last(decoder):
     assert events[-2].data["choices"] == [] and events[-2].data["usage"]["completion_tokens"] == 2 * 2
     assert end.status is JobStatus.completed
     assert [c["message"]["content"] for c in end.result["choices"]] == ["ok", "ok"]
+
+
+def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple[list, dict]:
+    run = JobRun(job(**fields), decoder, eos_ids=[2], max_model_len=200, settings=settings)
+    events = run.start()
+    c = run.choices[0]
+    for t in [*ids(decoder, text), 2]:
+        c.seq.output_ids.append(t)
+        events += run.on_output(c, Output(c.seq, t, Finish.stop if t == 2 else None))[0]
+    closing, end = run.end()
+    return events + closing, end.result
+
+
+def test_reasoning_is_split_from_content_and_counted(decoder):
+    settings = Settings(reasoning_parser="qwen3")
+    text = "<think>The user greets me.</think>\n\nHello!"
+    events, result = run_text(decoder, text, settings)
+    message = result["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("The user greets me.", "Hello!")
+    reasoning_tokens = result["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < reasoning_tokens < result["usage"]["completion_tokens"]
+    deltas = [e.data["choices"][0]["delta"] for e in events if e.event is EventKind.chunk and e.data["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "The user greets me."
+    assert "".join(d.get("content", "") for d in deltas) == "Hello!"
+
+    _, hidden = run_text(decoder, text, settings, include_reasoning=False)
+    assert "reasoning" not in hidden["choices"][0]["message"]
+    assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] == reasoning_tokens
+
+    _, off = run_text(decoder, "Just an answer.", settings, chat_template_kwargs={"enable_thinking": False})
+    assert off["choices"][0]["message"]["content"] == "Just an answer."
+    _, unfinished = run_text(decoder, "Still thinking about it", settings)
+    assert unfinished["choices"][0]["message"] == {"role": "assistant", "content": "",
+                                                   "reasoning": "Still thinking about it"}
+
+
+def test_hermes_calls_from_auto_tool_choice(decoder):
+    settings = Settings(tool_parser="hermes")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    events, result = run_text(decoder, text, settings, tools=tools)
+    choice = result["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    _, none = run_text(decoder, text, settings, tools=tools, tool_choice="none")
+    assert none["choices"][0]["message"]["content"] == text and none["choices"][0]["finish_reason"] == "stop"

@@ -1,0 +1,1 @@
+"""Benchmarks: stand-alone scripts that start their own services and print tables; not part of the test suite."""

@@ -1,0 +1,155 @@
+"""A Celery app module for a worker whose generator costs nothing: a benchmark test double, never a product mode.
+
+    python -m celery -A bench.zero_worker worker -P threads ...    (from the repository root; queue_overhead.py does)
+
+It imports `worker.celery_app` (the Celery app, the task, the signals) and swaps its `worker_init` handler, the one
+that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
+around `ZeroEngine`: each step emits one fixed token (" hello") for every running sequence and ends a sequence at
+its max_tokens. Everything but the forward pass is the product's code path. For the benchmark's breakdown it also
+counts engine steps, tokens and the time spent in `Publisher.flush`, and keeps the totals in the Redis hash
+`bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import signals
+
+from bench.common import STATS_KEY
+from shared.settings import Settings
+from worker import celery_app as product
+from worker.engine import Finish, Output, Sequence
+from worker.publish import Publisher, StepWrites
+from worker.render import Renderer
+from worker.runner import Runner
+
+app = product.app  # what `celery -A bench.zero_worker` looks for
+TOKEN_TEXT = " hello"
+
+
+class Stats:
+    """Counters of the engine loop, shared by the engine and the publisher wrapper."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = {"steps": 0, "tokens": 0, "flushes": 0, "events": 0, "flush_s": 0.0}
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.values[k] += v
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.values) | {"at": time.time()}
+
+    def report_forever(self, client: redis.Redis) -> None:
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                client.hset(STATS_KEY, mapping=dict[Any, Any](self.snapshot()))
+            time.sleep(0.2)
+
+
+class TimedPublisher(Publisher):
+    """The product's Publisher, timed."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, stats: Stats):
+        super().__init__(client, settings)
+        self.stats = stats
+
+    def flush(self, writes: StepWrites, running: list[str]) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().flush(writes, running)
+        finally:
+            self.stats.add(flushes=1, events=len(writes.events), flush_s=time.perf_counter() - start)
+
+
+class ZeroEngine:
+    """The surface of worker.engine.Engine (add / step / cancel / has_work / wakeup) with no model behind it."""
+
+    device = "none (zero-cost test double)"
+
+    def __init__(self, token_id: int, stats: Stats):
+        self.token_id = token_id
+        self.stats = stats
+        self.wakeup = threading.Event()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._cancels: set[str] = set()
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            self._inbox.append(seq)
+        self.wakeup.set()
+
+    def cancel(self, seq_id: str) -> None:
+        with self._lock:
+            self._cancels.add(seq_id)
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.running or self._inbox or self._cancels)
+
+    def step(self) -> list[Output]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        self.running.extend(inbox)
+        outputs = []
+        kept = []
+        for seq in self.running:
+            if seq.id in cancels:
+                seq.finish = Finish.cancelled
+                outputs.append(Output(seq=seq, token=None, finish=Finish.cancelled))
+                continue
+            seq.output_ids.append(self.token_id)
+            finish = Finish.length if len(seq.output_ids) >= seq.params.max_tokens else None
+            seq.finish = finish
+            outputs.append(Output(seq=seq, token=self.token_id, finish=finish))
+            if finish is None:
+                kept.append(seq)
+        self.running = kept
+        self.stats.add(steps=1, tokens=sum(o.token is not None for o in outputs))
+        return outputs
+
+
+def build_zero_runner(settings: Settings, client: redis.Redis, stats: Stats) -> Runner:
+    renderer = Renderer(settings.model_dir)  # tokenizer and chat template only: no weights are read
+    ids = renderer.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False).ids
+    if len(ids) != 1:
+        raise RuntimeError(f"{TOKEN_TEXT!r} is not one token in this tokenizer: {ids}")
+    config = json.loads((settings.model_dir / "config.json").read_text())
+    max_model_len = settings.max_model_len or int(config.get("max_position_embeddings", 2048))
+    engine = ZeroEngine(ids[0], stats)
+    publisher = TimedPublisher(client, settings, stats)
+    return Runner(
+        engine,
+        renderer.tokenizer,
+        renderer.eos_token_ids,
+        publisher,
+        max_model_len,  # type: ignore[arg-type]
+        settings=settings,
+    )
+
+
+if not signals.worker_init.disconnect(product._load):
+    raise RuntimeError("worker.celery_app._load is no longer a worker_init handler: update bench/zero_worker.py")
+
+
+@signals.worker_init.connect
+def _load_zero(sender: object = None, **_kwargs: object) -> None:
+    client = redis.Redis.from_url(product.settings.redis_url, decode_responses=True)
+    stats = Stats()
+    runner = build_zero_runner(product.settings, client, stats)
+    runner.start()
+    threading.Thread(target=stats.report_forever, args=(client,), name="bench-stats", daemon=True).start()
+    product._state = product.WorkerState(client, runner, getattr(sender, "hostname", "worker"))

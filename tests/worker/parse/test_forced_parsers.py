@@ -1,0 +1,41 @@
+"""Parsers for tool calls forced by tool_choice, at every chunking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.parse import collect
+from worker.parse.forced import NamedToolParser, RequiredToolParser
+
+
+def chunkings(text: str):
+    for size in range(1, 9):
+        yield [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("args", ['{"city": "Paris", "days": 3}', "{}", '{"q": "naïve ☃"}'])
+def test_named_call_streams_its_arguments(args):
+    for pieces in chunkings(args):
+        parser = NamedToolParser("get_weather")
+        deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+        firsts = [c for d in deltas for c in d.tool_calls if c.id is not None]
+        assert len(firsts) == 1 and firsts[0].name == "get_weather" and firsts[0].id.startswith("chatcmpl-tool-")
+        content, _, calls = collect(NamedToolParser("get_weather"), pieces)
+        assert calls[0]["function"] == {"name": "get_weather", "arguments": args}
+        assert content is None
+
+
+def test_required_calls_are_read_from_the_array():
+    text = json.dumps([{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}])
+    for pieces in chunkings(text):
+        content, _, calls = collect(RequiredToolParser(), pieces)
+        assert content is None
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("a", {"x": 1}), ("b", {})]
+
+
+def test_unfinished_required_array_stays_content():
+    content, _, calls = collect(RequiredToolParser(), ['[{"name": "a", "param'])
+    assert calls == [] and content == '[{"name": "a", "param'

@@ -1,0 +1,119 @@
+"""What a request asks of the generate and parse stages: sampling parameters, a grammar, a parser per choice."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from shared.settings import Settings
+from worker.grammar import Grammar, GrammarCompiler, GrammarError
+from worker.parse import ContentParser, Parser
+from worker.parse.forced import NamedToolParser, RequiredToolParser
+from worker.parse.reasoning import ReasoningParser
+from worker.parse.tools import TOOL_PARSERS
+from worker.sampler import SamplingParams
+
+REASONING_PARSERS = {"deepseek_r1", "qwen3"}
+
+
+@dataclass
+class Plan:
+    params: list[SamplingParams]  # one per choice
+    grammar: Grammar | None
+    make_parser: Callable[[], Parser]
+    reasoning: bool  # a reasoning parser splits the output
+    tools_parsed: bool  # tool calls may come out of the text
+    named_tool: bool  # a named tool_choice: finish_reason stays "stop"
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, eos_ids: frozenset[int], defaults: dict
+) -> list[SamplingParams]:
+    stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
+
+    def pick(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=int(pick("top_k", 0)),
+            min_p=req.min_p or 0.0,
+            # Choices of one request must differ, yet stay reproducible under one seed.
+            seed=None if req.seed is None else req.seed + i,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=req.bias(),
+            min_tokens=req.min_tokens,
+            stop_token_ids=stop_ids,
+            logprobs=req.num_logprobs,
+        )
+        for i in range(req.n)
+    ]
+
+
+def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
+    tools = [t.model_dump() for t in req.tools or []]
+    try:
+        if req.forced_tool:
+            return compiler.function(tools, req.forced_tool)
+        if req.tool_choice == "required":
+            return compiler.tool_calls(tools, parallel=req.parallel_tool_calls)
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return compiler.json_object()
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+            return compiler.json_schema(fmt.json_schema.schema_ or {}, strict=bool(fmt.json_schema.strict))
+        so = req.structured_outputs
+        if so is None:
+            return None
+        if so.json_ is not None:
+            schema = json.loads(so.json_) if isinstance(so.json_, str) else so.json_
+            return compiler.json_schema(schema)
+        if so.regex is not None:
+            return compiler.regex(so.regex)
+        if so.choice is not None:
+            return compiler.choice(so.choice)
+        if so.grammar is not None:
+            return compiler.grammar(so.grammar)
+    except (GrammarError, json.JSONDecodeError) as e:
+        raise RequestError(str(e), "structured_outputs" if req.structured_outputs else "response_format") from e
+    return None
+
+
+def plan(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    eos_ids: frozenset[int],
+    defaults: dict,
+    compiler: GrammarCompiler | None,
+    settings: Settings,
+) -> Plan:
+    params = sampling_params(req, max_tokens, eos_ids, defaults)
+    if isinstance(req, CompletionRequest):
+        return Plan(params, None, ContentParser, False, False, False)
+    grammar = grammar_for(req, compiler) if compiler is not None else None
+    tool_names = {t.function.name for t in req.tools or []}
+    inner: Callable[[], Parser] = ContentParser
+    tools_parsed = False
+    if req.forced_tool:
+        name = req.forced_tool
+        inner, tools_parsed = (lambda: NamedToolParser(name)), True
+    elif req.tool_choice == "required":
+        inner, tools_parsed = RequiredToolParser, True
+    elif req.tools and req.tool_choice != "none" and settings.tool_parser:
+        factory = TOOL_PARSERS[settings.tool_parser]
+        inner, tools_parsed = (lambda: factory(tool_names)), True
+    # A grammar shapes the whole output, so there is no free-form thinking to split off.
+    reasoning = settings.reasoning_parser in REASONING_PARSERS and grammar is None
+    make_parser = inner
+    if reasoning:
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
+    return Plan(params, grammar, make_parser, reasoning, tools_parsed, req.forced_tool is not None)
