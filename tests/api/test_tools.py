@@ -1,4 +1,4 @@
-"""Tool calls and structured outputs with the default SmolLM2 model: constrained decoding makes them valid every time."""
+"""Tool calls and structured outputs with SmolLM2: constrained decoding keeps them valid every time."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ WEATHER = {
         "description": "Current weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20},
-                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
             "required": ["city", "unit"],
         },
     },
@@ -29,8 +31,11 @@ TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
-                       "required": ["zone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
@@ -40,19 +45,31 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 16},
-            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                         "zip": {"type": "integer"}},
-                        "required": ["city", "zip"]},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "integer"}},
+                "required": ["city", "zip"],
+            },
         },
         "required": ["name", "address"],
     },
-    "enum": {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
-                                              "sure": {"type": "boolean"}}, "required": ["colour", "sure"]},
-    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                                                        "minItems": 1, "maxItems": 3}},
-              "required": ["tags"]},
-    "numbers": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                                 "score": {"type": "number"}}, "required": ["age", "score"]},
+    "enum": {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}, "sure": {"type": "boolean"}},
+        "required": ["colour", "sure"],
+    },
+    "array": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["tags"],
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}, "score": {"type": "number"}},
+        "required": ["age", "score"],
+    },
 }
 SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}]
 
@@ -65,8 +82,13 @@ def parallel(fn, jobs):
 def test_named_tool_choice_returns_that_function_with_valid_arguments(client: openai.OpenAI, model_name):
     def call(sampling):
         return client.chat.completions.create(
-            model=model_name, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}, **sampling)
+            model=model_name,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            max_tokens=80,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            **sampling,
+        )
 
     for resp in parallel(call, [(s,) for s in SAMPLINGS]):
         choice = resp.choices[0]
@@ -81,8 +103,15 @@ def test_required_tool_choice_returns_valid_calls(client: openai.OpenAI, model_n
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
     def call(sampling):
-        return client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
-                                              tool_choice="required", parallel_tool_calls=parallel_calls, **sampling)
+        return client.chat.completions.create(
+            model=model_name,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            max_tokens=120,
+            tool_choice="required",
+            parallel_tool_calls=parallel_calls,
+            **sampling,
+        )
 
     for resp in parallel(call, [(s,) for s in SAMPLINGS]):
         choice = resp.choices[0]
@@ -94,11 +123,21 @@ def test_required_tool_choice_returns_valid_calls(client: openai.OpenAI, model_n
 
 
 def test_streamed_tool_call_arguments_concatenate_to_the_whole(client: openai.OpenAI, model_name):
-    kw = dict(model=model_name, messages=ASK, tools=[WEATHER], max_tokens=80, temperature=0,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = dict(
+        model=model_name,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=80,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
-    deltas = [tc for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
-              for tc in chunk.choices[0].delta.tool_calls or []]
+    deltas = [
+        tc
+        for chunk in client.chat.completions.create(stream=True, **kw)
+        if chunk.choices
+        for tc in chunk.choices[0].delta.tool_calls or []
+    ]
     named = [d for d in deltas if d.id is not None]
     assert len(named) == 1 and named[0].function.name == "get_weather" and named[0].type == "function"
     assert all(d.function.name is None for d in deltas if d.id is None)
@@ -110,8 +149,9 @@ def test_json_schema_output_validates_every_time(client: openai.OpenAI, model_na
 
     def call(name, sampling):
         fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
-        return name, client.chat.completions.create(model=model_name, messages=prompt, response_format=fmt,
-                                                    max_tokens=120, **sampling)
+        return name, client.chat.completions.create(
+            model=model_name, messages=prompt, response_format=fmt, max_tokens=120, **sampling
+        )
 
     for name, resp in parallel(call, [(n, s) for n in SCHEMAS for s in SAMPLINGS]):
         assert resp.choices[0].finish_reason == "stop", (name, resp.choices[0].message.content)
@@ -122,14 +162,28 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, model_name)
     prompt = [{"role": "user", "content": "Give me an answer."}]
     cases = [
         ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
-        ({"extra_body": {"structured_outputs": {"regex": r"[A-Z][a-z]{2,8} \d{2}"}}},
-         lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} \d{2}", t)),
-        ({"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
-         lambda t: t in ("yes", "no", "maybe")),
-        ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "ab" [0-9] [0-9]'}}},
-         lambda t: re.fullmatch(r"ab\d\d", t)),
-        ({"extra_body": {"structured_outputs": {"json": {"type": "object", "properties": {
-            "ok": {"type": "boolean"}}, "required": ["ok"]}}}}, lambda t: json.loads(t)["ok"] in (True, False)),
+        (
+            {"extra_body": {"structured_outputs": {"regex": r"[A-Z][a-z]{2,8} \d{2}"}}},
+            lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} \d{2}", t),
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
+            lambda t: t in ("yes", "no", "maybe"),
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"grammar": 'root ::= "ab" [0-9] [0-9]'}}},
+            lambda t: re.fullmatch(r"ab\d\d", t),
+        ),
+        (
+            {
+                "extra_body": {
+                    "structured_outputs": {
+                        "json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+                    }
+                }
+            },
+            lambda t: json.loads(t)["ok"] in (True, False),
+        ),
     ]
 
     def call(extra, sampling):
@@ -142,41 +196,69 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, model_name)
 
 
 def test_agent_loop(client: openai.OpenAI, model_name):
-    messages = [{"role": "system", "content": "You are a weather assistant."},
-                {"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0, max_tokens=80)
+    messages = [
+        {"role": "system", "content": "You are a weather assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    first = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
     [call] = first.choices[0].message.tool_calls
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})})
-    chunks = list(client.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER],
-                                                 temperature=0, max_tokens=40, stream=True))
+    result = json.dumps({"temperature": 21, "sky": "clear"})
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=messages, tools=[WEATHER], temperature=0, max_tokens=40, stream=True
+        )
+    )
     answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert answer.strip()
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": []}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}]},
-     "tools.0.function.parameters"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a"}, "tools": [WEATHER],
-      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": []}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        (
+            {
+                "structured_outputs": {"regex": "a"},
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "structured_outputs",
+        ),
+    ],
+)
 def test_invalid_tools_and_formats_are_refused(http, body, param):
     resp = http.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert_error(resp, 400, "BadRequestError", param)
 
 
 def test_grammar_the_engine_cannot_compile_fails_the_job_as_a_bad_request(http):
-    resp = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5,
-                                                   "structured_outputs": {"grammar": "root ::= (("}})
+    resp = http.post(
+        "/v1/chat/completions",
+        json={"messages": ASK, "max_tokens": 5, "structured_outputs": {"grammar": "root ::= (("}},
+    )
     assert_error(resp, 400, "BadRequestError", "structured_outputs")

@@ -47,8 +47,12 @@ def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
 
 
 def test_each_choice_finishes_once_and_usage_comes_last(decoder):
-    run = JobRun(job(n=2, temperature=1.0, stream=True, stream_options={"include_usage": True}), decoder,
-                 eos_ids=[2], max_model_len=100)
+    run = JobRun(
+        job(n=2, temperature=1.0, stream=True, stream_options={"include_usage": True}),
+        decoder,
+        eos_ids=[2],
+        max_model_len=100,
+    )
     events = run.start()
     for c in run.choices:
         for t in [*ids(decoder, "ok"), 2]:
@@ -56,8 +60,11 @@ def test_each_choice_finishes_once_and_usage_comes_last(decoder):
             events += run.on_output(c, Output(c.seq, t, Finish.stop if t == 2 else None))[0]
     closing, end = run.end()
     events += closing
-    finishes = [(e.data["choices"][0]["index"], e.data["choices"][0]["finish_reason"]) for e in events
-                if e.event is EventKind.chunk and e.data["choices"] and e.data["choices"][0]["finish_reason"]]
+    finishes = [
+        (e.data["choices"][0]["index"], e.data["choices"][0]["finish_reason"])
+        for e in events
+        if e.event is EventKind.chunk and e.data["choices"] and e.data["choices"][0]["finish_reason"]
+    ]
     assert finishes == [(0, "stop"), (1, "stop")]
     assert events[-2].data["choices"] == [] and events[-2].data["usage"]["completion_tokens"] == 2 * 2
     assert end.status is JobStatus.completed
@@ -94,8 +101,11 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
     _, off = run_text(decoder, "Just an answer.", settings, chat_template_kwargs={"enable_thinking": False})
     assert off["choices"][0]["message"]["content"] == "Just an answer."
     _, unfinished = run_text(decoder, "Still thinking about it", settings)
-    assert unfinished["choices"][0]["message"] == {"role": "assistant", "content": "",
-                                                   "reasoning": "Still thinking about it"}
+    assert unfinished["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "Still thinking about it",
+    }
 
 
 def test_hermes_calls_from_auto_tool_choice(decoder):

@@ -33,7 +33,9 @@ def test_required_calls_are_read_from_the_array():
         content, _, calls = collect(RequiredToolParser(), pieces)
         assert content is None
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-            ("a", {"x": 1}), ("b", {})]
+            ("a", {"x": 1}),
+            ("b", {}),
+        ]
 
 
 def test_unfinished_required_array_stays_content():
