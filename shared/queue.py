@@ -41,7 +41,6 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         worker_send_task_events=True,
-        task_send_sent_event=True,
         task_default_queue=keys.celery_queue(settings.model_name),
         worker_hijack_root_logger=False,
     )

@@ -26,8 +26,6 @@ class Settings(BaseSettings):
 
     # Seconds a finished job's record and its event log stay readable.
     result_ttl: int = 3600
-    # Upper bound on the event log of one job; far above any real completion.
-    stream_maxlen: int = 100_000
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
     worker_concurrency: int = 64

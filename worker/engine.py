@@ -4,7 +4,8 @@ Continuous batching over a paged KV cache. Each step runs one forward pass holdi
 sequence plus prompt chunks of newcomers (at most `prefill_chunk` prompt tokens a step, so running streams keep
 flowing while a long prompt is processed). Cache blocks are taken as sequences grow; when none are left, the
 newest running sequence is preempted (its blocks freed, its tokens recomputed later), so memory, not a batch size,
-bounds how many sequences run, and a sequence that finds no room waits instead of failing.
+bounds how many sequences run, and a sequence that finds no room waits instead of failing. Full prompt blocks are
+shared between sequences whose prompts begin alike (blocks.py), so a common system prompt is computed once.
 
 `add` and `cancel` may be called from any thread; `step` from one thread only.
 """
@@ -15,13 +16,13 @@ import heapq
 import itertools
 import logging
 import threading
-from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
 
+from worker.blocks import BlockManager
 from worker.forward import Batch, KVCache, PagedForward
 from worker.sampler import Row, SamplingParams, TokenLogprob, sample
 
@@ -47,6 +48,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: what the output may be
     finish: Finish | None = None
@@ -89,7 +91,7 @@ class Engine:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.cache = KVCache(config.num_hidden_layers, num_blocks * block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
 
@@ -100,10 +102,6 @@ class Engine:
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
         self.wakeup = threading.Event()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.cache.k[0].shape[0] // self.block_size
 
     # --- public surface --------------------------------------------------------------------------------
 
@@ -139,6 +137,7 @@ class Engine:
             return outputs
         for seq, n in scheduled:
             seq.num_cached += n
+            self.blocks.register(seq)
         if emitting:
             outputs.extend(self._sample(emitting, logits))
         return outputs
@@ -165,20 +164,8 @@ class Engine:
                 heapq.heapify(self.waiting)
         return outputs
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self._blocks_for(num_tokens) - len(seq.blocks)
-        if need > len(self.free_blocks):
-            return False
-        seq.blocks.extend(self.free_blocks.popleft() for _ in range(max(need, 0)))
-        return True
-
     def _release(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.blocks)
-        seq.blocks = []
-        seq.num_cached = 0
+        self.blocks.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -197,7 +184,7 @@ class Engine:
             n = 1 if todo == 1 else min(todo, budget)
             if n == 0:
                 continue
-            while not self._grow(seq, seq.num_cached + n):
+            while not self.blocks.grow(seq, seq.num_cached + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -212,13 +199,17 @@ class Engine:
         # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue.
         while self.waiting and budget > 0:
             seq = self.waiting[0][2]
+            if not seq.blocks:
+                self.blocks.reuse_prefix(seq)
             todo = len(seq) - seq.num_cached
             n = min(todo, budget)
             # Keep a block per running sequence in reserve so admitting one does not preempt another next step.
-            if self._blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running) > len(self.free_blocks):
+            needed = self.blocks.blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running)
+            if needed > self.blocks.available():
+                self.blocks.release(seq)  # hand back shared blocks it took; it tries again next step
                 break
             heapq.heappop(self.waiting)
-            self._grow(seq, seq.num_cached + n)
+            self.blocks.grow(seq, seq.num_cached + n)
             self.running.append(seq)
             prefills.append((seq, n))
             budget -= n

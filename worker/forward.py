@@ -93,15 +93,18 @@ class PagedForward:
         out = torch.empty_like(q)
         d = b.num_decode
         if d:
-            kd = kc[b.dec_ctx].transpose(1, 2)  # [D, kvh, L, hd]
-            vd = vc[b.dec_ctx].transpose(1, 2)
+            # index_select rather than advanced indexing: the same gather, several times faster on CPU.
+            flat = b.dec_ctx.flatten()
+            shape = (*b.dec_ctx.shape, *kc.shape[1:])
+            kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [D, kvh, L, hd]
+            vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[:d].unsqueeze(2), kd, vd, attn_mask=b.dec_mask, scale=self.scaling, enable_gqa=True
             )
             out[:d] = o.squeeze(2)
         for start, end, ctx, mask in b.prefills:
-            kp = kc[ctx].transpose(0, 1)[None]  # [1, kvh, L, hd]
-            vp = vc[ctx].transpose(0, 1)[None]
+            kp = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, kvh, L, hd]
+            vp = vc.index_select(0, ctx).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None],
                 kp,

@@ -42,14 +42,14 @@ class Publisher:
     def __init__(self, client: redis.Redis, settings: Settings):
         self.redis = client
         self.ttl = settings.result_ttl
-        self.maxlen = settings.stream_maxlen
 
     def flush(self, writes: StepWrites, running: list[str]) -> set[str]:
         """Sends one step's writes; returns the running job ids whose cancel flag is set."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id, event in writes.events:
             msg = event.model_dump_json()
-            pipe.xadd(keys.events(job_id), {"msg": msg}, id=f"0-{event.seq}", maxlen=self.maxlen, approximate=True)
+            # No MAXLEN: a job's log is bounded by its tokens, and it expires with the job.
+            pipe.xadd(keys.events(job_id), {"msg": msg}, id=f"0-{event.seq}")
             pipe.publish(keys.live(job_id), msg)
         for job_id, tokens in writes.progress.items():
             pipe.hset(keys.job(job_id), "completion_tokens", tokens)

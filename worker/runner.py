@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -28,6 +29,9 @@ from worker.plan import plan
 from worker.publish import JobEnd, Publisher, StepWrites
 
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
+CANCEL_CHECK_EVERY = 0.05  # seconds between checks of the running jobs' cancel flags
 
 
 @dataclass
@@ -80,6 +84,7 @@ class JobRun:
         self.rejected: dict[str, Any] | None = None
         self.last_seq = 0
         self.reasoning_tokens = 0
+        self.progress_at = 0.0
         req = job.request
         if isinstance(req, ChatCompletionRequest):
             self.chunks: chunks.ChatChunks = chunks.ChatChunks(job.id, job.created, job.model, req.response_role)
@@ -278,6 +283,7 @@ class Runner:
         self._new: queue.SimpleQueue[JobRun] = queue.SimpleQueue()
         self.runs: dict[str, JobRun] = {}
         self.by_seq: dict[str, tuple[JobRun, Choice]] = {}
+        self.cancels_at = 0.0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="chatq-engine", daemon=True)
 
@@ -351,15 +357,23 @@ class Runner:
                         self.engine.cancel(c.seq.id)
             writes.events.extend((run.job.id, e) for e in events)
         ended = []
+        now = time.monotonic()
         for job_id, run in touched.items():
             if run.finished:
                 events, end = run.end()
                 writes.events.extend((job_id, e) for e in events)
                 writes.ended.append(end)
                 ended.append(run)
-            else:
+            elif now - run.progress_at >= PROGRESS_EVERY:
+                run.progress_at = now
                 writes.progress[job_id] = run.completion_tokens
-        running = [job_id for job_id in self.runs if job_id not in {r.job.id for r in ended}]
+        # Progress and cancel flags are polled by people, not machines: a few times a second is plenty, and it keeps
+        # a step's Redis writes to the events themselves (two commands per event) when hundreds of jobs run.
+        running: list[str] = []
+        if now - self.cancels_at >= CANCEL_CHECK_EVERY:
+            self.cancels_at = now
+            ended_ids = {r.job.id for r in ended}
+            running = [job_id for job_id in self.runs if job_id not in ended_ids]
         for job_id in self.publisher.flush(writes, running):
             for c in self.runs[job_id].choices:
                 self.engine.cancel(c.seq.id)

@@ -72,7 +72,7 @@ def test_batched_greedy_equals_generate(model, prompts, reference, kv_tokens, ch
     done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts)])
     assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
     assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
-    assert len(engine.free_blocks) == engine.num_blocks
+    assert engine.blocks.available() == engine.blocks.num_blocks
 
 
 def test_late_joiners_do_not_change_earlier_sequences(model, prompts, reference):
@@ -96,7 +96,7 @@ def test_cancel_takes_effect_at_the_next_step(model, prompts):
     done = run(engine, seqs, cancel_after={"1": 3})
     assert done["1"].finish is Finish.cancelled and len(done["1"].output_ids) == 3
     assert len(done["0"].output_ids) == NEW and len(done["2"].output_ids) == NEW
-    assert len(engine.free_blocks) == engine.num_blocks
+    assert engine.blocks.available() == engine.blocks.num_blocks
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
@@ -118,3 +118,17 @@ def test_stop_token_ends_a_sequence(model, prompts, reference):
     done = run(engine, [seq])
     assert done["s"].finish is Finish.stop
     assert done["s"].output_ids == reference[0][: reference[0].index(stop_at) + 1]
+
+
+def test_shared_prompt_prefixes_are_computed_once(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    first = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts)])
+    # Admitted in one step, the first five had nothing to share yet; now every full prompt block is registered.
+    again = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts)])
+    assert engine.blocks.hits == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    late = run(engine, [greedy(9, prompts[0][:20] + prompts[1][20:])])
+    assert engine.blocks.hits > sum((len(p) - 1) // 16 * 16 for p in prompts)  # the shared system prompt
+    assert late["9"].output_ids
+    assert [again[str(i)].output_ids for i in range(len(prompts))] == reference
+    assert [first[str(i)].output_ids for i in range(len(prompts))] == reference
+    assert engine.blocks.available() == engine.blocks.num_blocks

@@ -1,0 +1,95 @@
+"""KV cache blocks: who holds which, and which full prompt blocks can be shared (prefix caching).
+
+A block that holds the K/V of a full block of prompt tokens is registered under a hash of the whole prefix up to
+its end. A later sequence whose prompt starts the same way takes those blocks instead of computing them again:
+chat requests share a system prompt and a template header, so their first blocks are usually the same.
+Blocks nobody holds but whose content is registered stay reusable until the pool needs them (least recently
+released first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Protocol
+
+
+class HoldsBlocks(Protocol):
+    prompt_ids: list[int]
+    blocks: list[int]
+    block_hashes: list[int]  # hashes of the full prompt blocks registered so far
+    num_cached: int
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self.idle: OrderedDict[int, None] = OrderedDict()  # held by nobody, content still registered
+        self.refs = [0] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.hits = 0  # prompt tokens whose computation a shared block saved
+
+    def available(self) -> int:
+        return len(self.free) + len(self.idle)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(block)]
+        self.refs[block] = 1
+        return block
+
+    def grow(self, seq: HoldsBlocks, num_tokens: int) -> bool:
+        """Gives `seq` blocks for its first `num_tokens` tokens; False (and nothing taken) if the pool is short."""
+        need = self.blocks_for(num_tokens) - len(seq.blocks)
+        if need > self.available():
+            return False
+        seq.blocks.extend(self._take() for _ in range(max(need, 0)))
+        return True
+
+    def release(self, seq: HoldsBlocks) -> None:
+        for block in seq.blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.hash_of:
+                    self.idle[block] = None
+                else:
+                    self.free.append(block)
+        seq.blocks, seq.block_hashes, seq.num_cached = [], [], 0
+
+    def reuse_prefix(self, seq: HoldsBlocks) -> None:
+        """Before a sequence's first prefill: take every registered block its prompt starts with."""
+        bs, prompt = self.block_size, seq.prompt_ids
+        h = 0
+        # At least the last prompt token is computed again: its logits give the first output token.
+        for i in range((len(prompt) - 1) // bs):
+            h = hash((h, tuple(prompt[i * bs : (i + 1) * bs])))
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                del self.idle[block]
+            self.refs[block] += 1
+            seq.blocks.append(block)
+            seq.block_hashes.append(h)
+        seq.num_cached = len(seq.blocks) * bs
+        self.hits += seq.num_cached
+
+    def register(self, seq: HoldsBlocks) -> None:
+        """After a forward pass: make the sequence's newly completed full prompt blocks shareable."""
+        bs, prompt = self.block_size, seq.prompt_ids
+        for i in range(len(seq.block_hashes), min(seq.num_cached, len(prompt)) // bs):
+            prev = seq.block_hashes[-1] if seq.block_hashes else 0
+            h = hash((prev, tuple(prompt[i * bs : (i + 1) * bs])))
+            seq.block_hashes.append(h)
+            block = seq.blocks[i]
+            if h not in self.by_hash and block not in self.hash_of:
+                self.by_hash[h] = block
+                self.hash_of[block] = h
