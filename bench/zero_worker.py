@@ -132,7 +132,7 @@ def build_zero_runner(settings: Settings, client: redis.Redis, stats: Stats) -> 
     engine = ZeroEngine(ids[0], stats)
     publisher = TimedPublisher(client, settings, stats)
     return Runner(
-        engine,
+        lambda: engine,
         renderer.tokenizer,
         renderer.eos_token_ids,
         publisher,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import redis
 import torch
-from tokenizers import Tokenizer
 
 from shared.settings import Settings
 from worker.engine import Engine
@@ -38,23 +37,27 @@ def kv_cache_tokens(settings: Settings, model: torch.nn.Module, max_model_len: i
 
 def build_runner(settings: Settings, client: redis.Redis) -> Runner:
     path = ensure_model_dir(settings)
-    model = load_model(settings)
-    max_model_len = settings.max_model_len or model.config.max_position_embeddings
-    kv_tokens = kv_cache_tokens(settings, model, max_model_len)
-    engine = Engine(
-        model,
-        kv_tokens=kv_tokens,
-        block_size=settings.kv_block_size,
-        prefill_chunk=settings.prefill_chunk,
-        max_model_len=max_model_len,
-    )
-    log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
+    config = json.loads((path / "config.json").read_text())
+    max_model_len = settings.max_model_len or int(config["max_position_embeddings"])
+
+    def make_engine() -> Engine:
+        model = load_model(settings)
+        kv_tokens = kv_cache_tokens(settings, model, max_model_len)
+        engine = Engine(
+            model,
+            kv_tokens=kv_tokens,
+            block_size=settings.kv_block_size,
+            prefill_chunk=settings.prefill_chunk,
+            max_model_len=max_model_len,
+        )
+        log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
+        return engine
+
     renderer = Renderer(path)
-    tokenizer: Tokenizer = renderer.tokenizer
-    compiler = GrammarCompiler(path, model.config.vocab_size, eos_token_ids=renderer.eos_token_ids)
+    compiler = GrammarCompiler(path, int(config["vocab_size"]), eos_token_ids=renderer.eos_token_ids)
     return Runner(
-        engine,
-        tokenizer,
+        make_engine,
+        renderer.tokenizer,
         renderer.eos_token_ids,
         Publisher(client, settings),
         max_model_len,

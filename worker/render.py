@@ -88,9 +88,12 @@ class Renderer:
         kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         try:
             text = self.template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
                 **self.special,
                 **kwargs,

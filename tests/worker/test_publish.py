@@ -1,0 +1,35 @@
+"""One step's writes: events in the log and on the channel with the same message, and finished jobs expire."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from shared import keys
+from shared.protocol import Event, EventKind, JobStatus
+from worker.publish import JobEnd, Publisher, StepWrites
+
+
+def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    job_id = "chatcmpl-publish-test"
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
+    r.set(keys.cancel(job_id), "1")
+    p = r.pubsub()
+    p.subscribe(keys.live(job_id))
+    p.get_message(timeout=5)
+    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings.model_copy(update={"result_ttl": 30}))
+    events = [Event(seq=1, event=EventKind.chunk, data={"x": 1}), Event(seq=2, event=EventKind.done)]
+    cancelled = publisher.flush(StepWrites(events=[(job_id, e) for e in events]), running=[job_id])
+    assert cancelled == {job_id}
+    published = [json.loads(p.get_message(timeout=5)["data"]) for _ in events]
+    logged = [json.loads(f["msg"]) for _, f in r.xrange(keys.events(job_id))]
+    assert published == logged == [e.model_dump(mode="json") for e in events]
+    assert [i for i, _ in r.xrange(keys.events(job_id))] == ["0-1", "0-2"]
+
+    publisher.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.completed, 7, result={"ok": True})]), running=[])
+    assert r.hget(keys.job(job_id), "status") == "completed"
+    assert r.hget(keys.job(job_id), "completion_tokens") == "7"
+    for key in (keys.job(job_id), keys.events(job_id), keys.cancel(job_id)):
+        assert 0 < r.ttl(key) <= 30

@@ -1,0 +1,53 @@
+"""The render stage: chat template -> prompt ids, as transformers' apply_chat_template would render them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from shared.protocol import ChatCompletionRequest
+from shared.settings import Settings
+from worker.render import Renderer, TemplateError
+
+TEMPLATE = (
+    "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def renderer(tmp_path_factory) -> Renderer:
+    d = tmp_path_factory.mktemp("model")
+    shutil.copy(Settings().model_dir / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    return Renderer(d)
+
+
+def req(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"messages": [{"role": "user", "content": "Hi"}], **kw})
+
+
+def test_generation_prompt_and_ids(renderer):
+    p = renderer.render(req())
+    assert p.text == "<user>Hi</user>\n<assistant>"
+    assert renderer.tokenizer.decode(p.ids) == p.text
+
+
+def test_tools_reach_the_template(renderer):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    assert renderer.render(req(tools=[tool])).text.startswith("TOOLS:get_weather\n")
+
+
+def test_continue_final_message_leaves_the_turn_open(renderer):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    p = renderer.render(req(messages=messages, add_generation_prompt=False, continue_final_message=True))
+    assert p.text == "<user>Hi</user>\n<assistant>Hello the"
+
+
+def test_template_errors_are_request_errors(renderer):
+    with pytest.raises(TemplateError) as e:
+        renderer.render(req(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]))
+    assert "no tool turns" in e.value.message and e.value.param == "messages"
