@@ -10,35 +10,17 @@ from __future__ import annotations
 
 import json
 
-from worker.parse import Delta, ToolCallDelta
-from worker.parse.common import call_from_json
+from worker.parse import ToolCallDelta
+from worker.parse.common import WholeOutputCalls, call_from_json
 
 TAG = "<|python_tag|>"
 
 
-class Llama3JsonParser:
-    def __init__(self, tool_names: set[str] | None = None):
-        self.tool_names = tool_names
-        self.buf = ""
-        self.is_content = False  # decided: not a call, stream it
+class Llama3JsonParser(WholeOutputCalls):
+    def could_be_call(self, text: str) -> bool:
+        return could_be_call(text)
 
-    def feed(self, text: str) -> Delta:
-        if self.is_content:
-            return Delta(content=text)
-        self.buf += text
-        if could_be_call(self.buf):
-            return Delta()
-        text, self.buf, self.is_content = self.buf, "", True
-        return Delta(content=text)
-
-    def finish(self) -> Delta:
-        text, self.buf = self.buf, ""
-        if self.is_content:
-            return Delta()
-        calls = self._parse(text)
-        return Delta(tool_calls=calls) if calls else Delta(content=text)
-
-    def _parse(self, text: str) -> list[ToolCallDelta] | None:
+    def parse(self, text: str) -> list[ToolCallDelta] | None:
         text = text.strip()
         text = text.removeprefix(TAG)
         decoder = json.JSONDecoder()

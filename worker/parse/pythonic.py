@@ -10,34 +10,16 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from worker.parse import Delta, ToolCallDelta
-from worker.parse.common import arguments_json, new_call_id
+from worker.parse import ToolCallDelta
+from worker.parse.common import WholeOutputCalls, arguments_json, new_call_id
 
 
-class PythonicParser:
-    def __init__(self, tool_names: set[str] | None = None):
-        self.tool_names = tool_names
-        self.buf = ""
-        self.is_content = False  # decided: not a call list, stream it
+class PythonicParser(WholeOutputCalls):
+    def could_be_call(self, text: str) -> bool:
+        head = text.lstrip()
+        return not head or head.startswith("[")
 
-    def feed(self, text: str) -> Delta:
-        if self.is_content:
-            return Delta(content=text)
-        self.buf += text
-        head = self.buf.lstrip()
-        if not head or head.startswith("["):
-            return Delta()
-        text, self.buf, self.is_content = self.buf, "", True
-        return Delta(content=text)
-
-    def finish(self) -> Delta:
-        text, self.buf = self.buf, ""
-        if self.is_content:
-            return Delta()
-        calls = self._parse(text)
-        return Delta(tool_calls=calls) if calls else Delta(content=text)
-
-    def _parse(self, text: str) -> list[ToolCallDelta] | None:
+    def parse(self, text: str) -> list[ToolCallDelta] | None:
         try:
             tree = ast.parse(text.strip(), mode="eval")
         except (SyntaxError, ValueError, RecursionError, MemoryError):
