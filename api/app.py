@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
@@ -96,11 +96,12 @@ def create_app(settings: Settings) -> FastAPI:
         task.add_done_callback(background.discard)
 
     def sse(job_id: str, after: int, cancel_on_disconnect: bool) -> EventSourceResponse:
-        async def frames() -> AsyncIterator[dict[str, Any]]:
+        async def frames() -> AsyncIterator[bytes]:
             finished = False
             try:
-                async for event in relay.events(job_id, after):
-                    yield {"id": str(event.seq), "data": event.sse_data()}
+                # Events that arrived together leave in one write: a stream that fell behind catches up cheaply.
+                async for batch in relay.batches(job_id, after):
+                    yield b"".join(e.sse_frame() for e in batch)
                 finished = True
             finally:
                 if cancel_on_disconnect and not finished:
@@ -171,7 +172,11 @@ def create_app(settings: Settings) -> FastAPI:
         return prompt_ids
 
     async def respond(
-        body: GenerationRequest, kind: str, prompt_ids: list[int], request: Request, x_request_id: str | None
+        body: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "text"],
+        prompt_ids: list[int],
+        request: Request,
+        x_request_id: str | None,
     ) -> Any:
         job = await store.submit(body, kind, resolve_model(body.model), prompt_ids, x_request_id or body.request_id)
         if body.stream:

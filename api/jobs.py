@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from celery import Celery
@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import Conflict, JobNotFound
 from shared import keys
 from shared.jobs import CANCEL
-from shared.protocol import Event, EventKind, GenerationRequest, Job, JobStatus
+from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
 from shared.queue import GENERATE_TASK, celery_priority
 from shared.settings import Settings
 
@@ -26,7 +26,12 @@ class JobStore:
         self._cancel = client.register_script(CANCEL)
 
     async def submit(
-        self, request: GenerationRequest, kind: str, model: str, prompt_ids: list[int], request_id: str | None
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "text"],
+        model: str,
+        prompt_ids: list[int],
+        request_id: str | None,
     ) -> Job:
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         job = Job(

@@ -8,6 +8,7 @@ import time
 from enum import StrEnum
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -106,7 +107,7 @@ class GenerationRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: list[str] = Field(default_factory=list)  # a single string is accepted and wrapped
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -123,14 +124,15 @@ class GenerationRequest(BaseModel):
     request_id: str | None = None
     priority: int = 0
 
-    @field_validator("stop", mode="after")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("stop may hold at most 4 sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
+    def _stop_list(cls, v: Any) -> Any:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if isinstance(stops, list):
+            if len(stops) > 4:
+                raise ValueError("stop may hold at most 4 sequences")
+            if any(s == "" for s in stops):
+                raise ValueError("stop sequences must not be empty")
         return stops
 
     @property
@@ -478,8 +480,12 @@ class Event(BaseModel):
     event: EventKind
     data: dict[str, Any] | None = None
 
-    def sse_data(self) -> str:
-        return "[DONE]" if self.event is EventKind.done else json.dumps(self.data, separators=(",", ":"))
+    def sse_data(self) -> bytes:
+        return b"[DONE]" if self.event is EventKind.done else orjson.dumps(self.data)
+
+    def sse_frame(self) -> bytes:
+        """The event as one Server-Sent Events frame, its id the sequence number (for Last-Event-ID)."""
+        return b"id: %d\ndata: %s\n\n" % (self.seq, self.sse_data())
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 from celery import signals
@@ -20,6 +21,9 @@ from shared.protocol import Job
 from shared.queue import GENERATE_TASK, make_celery
 from shared.settings import Settings
 
+if TYPE_CHECKING:
+    from worker.runner import Runner
+
 log = logging.getLogger(__name__)
 
 settings = Settings()
@@ -29,7 +33,7 @@ app = make_celery(settings)
 @dataclass
 class WorkerState:
     redis: redis.Redis
-    runner: object
+    runner: Runner
     name: str = ""
 
 

@@ -112,7 +112,7 @@ class ChatChunks:
     def final_choice(
         self,
         index: int,
-        content: str,
+        content: str | None,
         reasoning: str | None,
         tool_calls: list[dict[str, Any]],
         logprobs: dict[str, Any] | None,
@@ -172,7 +172,7 @@ class TextChunks(ChatChunks):
     def final_choice(
         self,
         index: int,
-        content: str,
+        content: str | None,
         reasoning: str | None,
         tool_calls: list[dict[str, Any]],
         logprobs: dict[str, Any] | None,

@@ -39,7 +39,7 @@ def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
     events += closing
     assert [e.event for e in events[-2:]] == [EventKind.error, EventKind.done]
     assert events[-2].data["error"]["message"] == "generation failed: device lost"
-    assert events[-2].sse_data().startswith('{"error":')
+    assert events[-2].sse_data().startswith(b'{"error":')
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert end.status is JobStatus.failed and end.error["code"] == 500
     streamed = "".join(e.data["choices"][0]["delta"].get("content", "") for e in events if e.event is EventKind.chunk)
