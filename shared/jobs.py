@@ -31,3 +31,13 @@ elseif status == 'in_progress' then
 end
 return status
 """
+
+# One call per engine step for every event of every job: KEYS come in pairs (a job's event log, its live channel),
+# ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published.
+PUBLISH_EVENTS = """
+for i = 1, #KEYS, 2 do
+  redis.call('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
+  redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
+end
+return #KEYS / 2
+"""
