@@ -47,7 +47,8 @@ class Publisher:
 
     def flush(self, writes: StepWrites, running: list[str]) -> set[str]:
         """Sends one step's writes; returns the running job ids whose cancel flag is set."""
-        pipe = self.redis.pipeline(transaction=False)
+        # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record.
+        pipe = self.redis.pipeline(transaction=True)
         if writes.events:
             # One script call instead of two commands per event: packing commands is most of a step's publish cost.
             # No MAXLEN on the log: a job's log is bounded by its tokens, and it expires with the job.
