@@ -82,8 +82,9 @@ def test_cancel_stops_a_running_job(http: httpx.Client):
     assert cancelled["id"] == job["id"]
     at_cancel = cancelled["progress"]["completion_tokens"]
     final = wait_for(http, job["id"], lambda j: j["status"] == "cancelled", timeout=10)
-    # The worker drops the job at its next step: a token or two after the request, not the remaining 1,900.
-    assert final["progress"]["completion_tokens"] - at_cancel <= 3
+    # The worker drops the job within a step or two of seeing the flag; the count read at cancel time may lag by the
+    # quarter second between progress writes. A few tokens, not the remaining 1,900.
+    assert final["progress"]["completion_tokens"] - at_cancel <= 10
     # Idempotent, and the stream of a cancelled job still ends.
     assert http.post(f"/v1/chat/completions/{job['id']}/cancel").json()["status"] == "cancelled"
     fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"})
