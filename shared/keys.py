@@ -4,7 +4,7 @@ Layout (documented in the README):
   chatq:job:{id}            hash   the job record (status, request, result, progress)
   chatq:job:{id}:events     stream the replayable event log, entry ids 0-{seq}
   chatq:job:{id}:live       pubsub the same events as they happen
-  chatq:job:{id}:cancel     string set when a client asks to cancel; workers poll it each step
+  chatq:job:{id}:cancel     string set when a client asks to cancel; the worker checks it every 50 ms
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
 """
