@@ -41,6 +41,3 @@ def workers(model: str) -> str:
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
-
-def job_id_from_live(channel: str) -> str:
-    return channel[len(PREFIX) + 5 : -len(":live")]
