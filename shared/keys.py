@@ -40,4 +40,3 @@ def workers(model: str) -> str:
 
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
-
