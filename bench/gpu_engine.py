@@ -5,6 +5,9 @@ continuous batching decides the rest. Prints a table and writes results.json to 
 
     python bench/gpu_engine.py                    # qwen0.5b and llama8b on CUDA, bf16
     MODELS=tiny N=16 NEW=8 python bench/gpu_engine.py   # a quick check on CPU
+
+GRAPHS (default 256) is the largest decode batch replayed as a CUDA graph; GRAPHS=0 runs every step eagerly. If
+capturing fails, the model runs again eagerly and the row says so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ OUT = Path(os.environ.get("OUT", "/tmp/out"))
 N = int(os.environ.get("N", "256"))
 NEW = int(os.environ.get("NEW", "256"))
 CHUNK = int(os.environ.get("CHUNK", "8192"))
+GRAPHS = int(os.environ.get("GRAPHS", "256"))
 
 
 def config(kind: str):
@@ -86,26 +90,28 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, int,
     return time.perf_counter() - t0, tokens, step_times
 
 
-def check_against_transformers() -> bool:
-    """Greedy tokens of the engine equal transformers' own forward on a small fp32 model, on this device."""
+def check_against_transformers(graph_batch: int) -> bool:
+    """Greedy tokens of the engine equal transformers' own forward on a small fp32 model, on this device: prompt
+    chunks beside decodes, then decode steps of 5, 3 and 2 sequences (graph buckets 1, 2, 4 when graph_batch=4)."""
     torch.manual_seed(0)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(config("tiny"), dtype=torch.float32).eval()
-    prompts = [torch.randint(10, 990, (n,)).tolist() for n in (5, 37, 64, 130)]
-    engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=50, max_model_len=2048)
+    prompts = [torch.randint(10, 990, (n,)).tolist() for n in (5, 37, 64, 130, 300)]
+    lengths = [12, 4, 12, 7, 12]
+    engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=50, max_model_len=2048, graph_batch=graph_batch)
     got = {}
-    for i, p in enumerate(prompts):
-        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=12, temperature=0.0)))
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=n, temperature=0.0)))
     while engine.has_work():
         for o in engine.step():
             if o.finish:
                 got[o.seq.id] = o.seq.output_ids
     ok = True
     with torch.inference_mode():
-        for i, p in enumerate(prompts):
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
             ids = torch.tensor([p], device=DEV)
             want = []
-            for _ in range(12):
+            for _ in range(n):
                 nxt = int(model(ids).logits[0, -1].argmax())
                 want.append(nxt)
                 ids = torch.cat([ids, torch.tensor([[nxt]], device=DEV)], dim=1)
@@ -113,62 +119,79 @@ def check_against_transformers() -> bool:
     return ok
 
 
+def bench_model(kind: str, graph_batch: int) -> dict:
+    cfg = config(kind)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DT).eval()
+    per_token = KVCache.bytes_per_token(cfg, DT)
+    if DEV == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        kv_tokens = int(free * 0.8) // per_token
+    else:
+        kv_tokens = 64 * 1024
+    t = time.perf_counter()
+    engine = Engine(
+        model,
+        kv_tokens=kv_tokens,
+        block_size=16,
+        prefill_chunk=CHUNK,
+        max_model_len=cfg.max_position_embeddings,
+        graph_batch=graph_batch,
+    )
+    setup = time.perf_counter() - t
+    random.seed(0)
+    prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
+    run(engine, prompts[:4], 4)  # warm-up: kernels, allocator
+    wall, tokens, steps = run(engine, prompts, NEW)
+    steps.sort()
+    return dict(
+        model=kind,
+        device=DEV,
+        n_req=N,
+        new=NEW,
+        gen_tokens=tokens,
+        s=round(wall, 2),
+        tok_s=round(tokens / wall, 1),
+        steps=len(steps),
+        step_ms_p50=round(1000 * steps[len(steps) // 2], 2),
+        kv_tokens=kv_tokens,
+        prefill_chunk=CHUNK,
+        graph_batch=graph_batch,
+        setup_s=round(setup, 1),
+    )
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    print(
-        json.dumps(
-            {
-                "check_against_transformers": check_against_transformers(),
-                "device": DEV,
-                "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None,
-                "torch": torch.__version__,
-            }
-        ),
-        flush=True,
-    )
+    facts = {"device": DEV, "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None, "torch": torch.__version__}
+    for graph_batch in sorted({0, min(GRAPHS, 4)}):
+        try:
+            facts[f"check_against_transformers_graphs{graph_batch}"] = check_against_transformers(graph_batch)
+        except Exception as e:  # noqa: BLE001 - a broken path is a result to report, not a reason to stop
+            facts[f"check_against_transformers_graphs{graph_batch}"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(facts), flush=True)
     results = []
     for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):
-        cfg = config(kind)
-        with torch.device(DEV):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=DT).eval()
-        per_token = KVCache.bytes_per_token(cfg, DT)
-        if DEV == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            kv_tokens = int(free * 0.8) // per_token
-        else:
-            kv_tokens = 64 * 1024
-        engine = Engine(
-            model, kv_tokens=kv_tokens, block_size=16, prefill_chunk=CHUNK, max_model_len=cfg.max_position_embeddings
-        )
-        random.seed(0)
-        prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
-        run(engine, prompts[:4], 4)  # warm-up: kernels, allocator
-        wall, tokens, steps = run(engine, prompts, NEW)
-        steps.sort()
-        row = dict(
-            model=kind,
-            device=DEV,
-            n_req=N,
-            new=NEW,
-            gen_tokens=tokens,
-            s=round(wall, 2),
-            tok_s=round(tokens / wall, 1),
-            steps=len(steps),
-            step_ms_p50=round(1000 * steps[len(steps) // 2], 2),
-            kv_tokens=kv_tokens,
-            prefill_chunk=CHUNK,
-        )
+        try:
+            row = bench_model(kind, GRAPHS)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps({"model": kind, "graph_batch": GRAPHS, "error": f"{type(e).__name__}: {e}"}), flush=True)
+            if not GRAPHS:
+                continue
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+            row = bench_model(kind, 0)
         results.append(row)
         print(json.dumps(row), flush=True)
-        (OUT / "engine_results.json").write_text(json.dumps(results, indent=1))
-        del engine, model
+        (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'model':<10} {'requests':>8} {'new':>5} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'step p50 ms':>12}")
+    head = f"{'model':<10} {'requests':>8} {'new':>5} {'graphs':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>10}"
+    print(f"\n{head} {'step p50 ms':>12}")
     for r in results:
         print(
-            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['gen_tokens']:>8} {r['s']:>8} {r['tok_s']:>10} "
-            f"{r['step_ms_p50']:>12}"
+            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['graph_batch']:>6} {r['gen_tokens']:>8} {r['s']:>8} "
+            f"{r['tok_s']:>10} {r['step_ms_p50']:>12}"
         )
 
 

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     # Tokens of prompt prefilled per engine step, so running streams keep flowing.
     prefill_chunk: int = 512
     max_model_len: int = 0
+    # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
+    cuda_graph_batch: int = 256
     # How the model writes reasoning and tool calls: "" (none), "deepseek_r1" / "qwen3" for <think>...</think>;
     # "" / "hermes" / "llama3_json" / "pythonic" for tool calls offered with tool_choice "auto".
     reasoning_parser: str = ""

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import redis
+import torch
 
 from shared.cli import api_command, worker_command
 from shared.embedded_redis import EmbeddedRedis, free_port
@@ -20,6 +21,11 @@ from shared.settings import Settings
 from worker.render import Renderer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Triton decides when it is first imported whether its kernels compile for a GPU or run in its interpreter; on a
+# machine without one, the interpreter lets the tests run the CUDA kernels on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

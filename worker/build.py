@@ -43,12 +43,14 @@ def build_runner(settings: Settings, client: redis.Redis) -> Runner:
     def make_engine() -> Engine:
         model = load_model(settings)
         kv_tokens = kv_cache_tokens(settings, model, max_model_len)
+        on_cuda = next(model.parameters()).device.type == "cuda"
         engine = Engine(
             model,
             kv_tokens=kv_tokens,
             block_size=settings.kv_block_size,
             prefill_chunk=settings.prefill_chunk,
             max_model_len=max_model_len,
+            graph_batch=settings.cuda_graph_batch if on_cuda else 0,
         )
         log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
         return engine

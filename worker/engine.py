@@ -24,6 +24,7 @@ import torch
 
 from worker.blocks import BlockManager
 from worker.forward import Batch, KVCache, PagedForward
+from worker.graphs import DecodeGraphs
 from worker.sampler import Row, SamplingParams, TokenLogprob, sample
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ class Engine:
         block_size: int,
         prefill_chunk: int,
         max_model_len: int,
+        graph_batch: int = 0,
     ):
+        """graph_batch: decode steps of up to this many sequences replay fixed-size buffers (CUDA graphs on CUDA;
+        see graphs.py); 0 runs every step eagerly."""
         config = model.config
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -89,8 +93,10 @@ class Engine:
         num_blocks = max(kv_tokens // block_size, -(-max_model_len // block_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.cache = KVCache(config.num_hidden_layers, num_blocks * block_size, kv_heads, head_dim, dtype, self.device)
+        self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
+        max_blocks = -(-max_model_len // block_size)
+        self.graphs = DecodeGraphs(self.forward, graph_batch, max_blocks) if graph_batch > 0 else None
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
@@ -128,7 +134,10 @@ class Engine:
             return outputs
         batch, emitting = self._build_batch(scheduled)
         try:
-            logits = self.forward(batch)
+            if self.graphs is not None and not batch.prefills and batch.num_decode <= self.graphs.max_batch:
+                logits = self.graphs(batch)
+            else:
+                logits = self.forward(batch)
         except Exception as e:  # the forward pass is shared: if it breaks, every sequence in it failed
             log.exception("forward pass failed")
             for seq, _ in scheduled:
@@ -245,28 +254,24 @@ class Engine:
                 decodes.append(seq)
                 continue
             total = first + n
-            ctx = self._slots(torch.tensor(seq.blocks, device=dev), total)
+            ctx = self._slots(_to(dev, seq.blocks), total)
             # Query i sits at position first + i and sees every key up to and including itself.
             mask = torch.arange(total, device=dev)[None, :] <= torch.arange(first, total, device=dev)[:, None]
             prefills.append((start, start + n, ctx, mask))
-        dec_ctx = dec_mask = None
+        dec_table = dec_lens = None
         if decodes:
-            lens = torch.tensor([len(s) for s in decodes], device=dev)
             width = max(len(s.blocks) for s in decodes)
-            table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], device=dev)
-            lmax = int(max(len(s) for s in decodes))
-            offsets = torch.arange(lmax, device=dev)
-            dec_ctx = table[:, offsets // bs] * bs + offsets % bs  # [D, Lmax]; padding reads block 0, masked below
-            dec_mask = (offsets[None, :] < lens[:, None])[:, None, None, :]
+            dec_table = _to(dev, [s.blocks + [0] * (width - len(s.blocks)) for s in decodes], torch.int32)
+            dec_lens = _to(dev, [len(s) for s in decodes], torch.int32)
         batch = Batch(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(pos, device=dev),
-            slots=torch.tensor(slots, device=dev),
+            input_ids=_to(dev, ids),
+            positions=_to(dev, pos),
+            slots=_to(dev, slots),
             num_decode=len(decodes),
-            dec_ctx=dec_ctx,
-            dec_mask=dec_mask,
+            dec_table=dec_table,
+            dec_lens=dec_lens,
             prefills=prefills,
-            logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),
+            logits_at=None if len(logits_at) == len(ids) else _to(dev, logits_at),
         )
         return batch, emitting
 
@@ -320,3 +325,8 @@ class Engine:
         seq.finish = finish
         seq.error = error
         return Output(seq, None, finish)
+
+
+def _to(device: torch.device, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    # Built on the host, copied without waiting: the one host sync of a step is reading the sampled ids.
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)

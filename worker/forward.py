@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import attention
+
 
 @dataclass
 class Batch:
@@ -22,20 +24,26 @@ class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] cache slot each token's K/V is written to
-    # Decode part: D sequences with one query token each, reading `dec_ctx` slots masked by `dec_mask`.
+    # Decode part: D sequences with one query token each, reading the first `dec_lens` slots of their blocks.
     num_decode: int
-    dec_ctx: torch.Tensor | None  # [D, Lmax] slot ids
-    dec_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where attended
+    dec_table: torch.Tensor | None  # [D, W] int32 block ids
+    dec_lens: torch.Tensor | None  # [D] int32 context length, the new token included
     # Prefill part: (start, end) of each chunk in the flat row, its context slots, and its causal mask.
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    logits_at: torch.Tensor  # [S] rows of the flat row whose next-token logits are needed
+    logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
 
 
 class KVCache:
-    """K and V for every layer, addressed by slot = block * block_size + offset."""
+    """K and V for every layer, addressed by slot = block * block_size + offset.
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_slots, kv_heads, head_dim)
+    One block more than the block manager hands out: the padding rows of a fixed-size (CUDA graph) batch write and
+    read there, so they never touch a live sequence's cache.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        self.block_size = block_size
+        self.spare_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -63,22 +71,28 @@ class PagedForward:
 
         # Rotary application is the one function each architecture module defines; take the model's own.
         self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
+        self.paged = cache.k[0].is_cuda and attention.triton is not None
 
     @torch.inference_mode()
     def __call__(self, b: Batch) -> torch.Tensor:
+        """Next-token logits (float32) of the rows `b.logits_at` names. Decode-only batches make no host sync on
+        CUDA, so the same call can be captured in a CUDA graph."""
+        ctx = None
+        if b.num_decode and not self.paged:
+            ctx = attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
             residual = h
             h = layer.input_layernorm(h)
-            h = residual + self._attention(layer.self_attn, h, cos, sin, i, b)
+            h = residual + self._attention(layer.self_attn, h, cos, sin, i, b, ctx)
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[b.logits_at])
+        h = self.norm(h if b.logits_at is None else h[b.logits_at])
         return self.lm_head(h).float()
 
-    def _attention(self, attn: nn.Module, h: torch.Tensor, cos, sin, layer: int, b: Batch) -> torch.Tensor:
+    def _attention(self, attn: nn.Module, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx) -> torch.Tensor:
         t = h.shape[0]
         q = attn.q_proj(h).view(t, -1, self.head_dim)
         k = attn.k_proj(h).view(t, -1, self.head_dim)
@@ -88,20 +102,14 @@ class PagedForward:
         # apply_rotary_pos_emb wants heads before tokens; here tokens lead, so broadcast cos/sin over dim 1.
         q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[b.slots] = k
-        vc[b.slots] = v
-        out = torch.empty_like(q)
+        kc.index_copy_(0, b.slots, k)
+        vc.index_copy_(0, b.slots, v)
         d = b.num_decode
+        if d == t:  # decode only: no copy into a shared output
+            return attn.o_proj(self._decode(q, kc, vc, b, ctx).reshape(t, -1))
+        out = torch.empty_like(q)
         if d:
-            # index_select rather than advanced indexing: the same gather, several times faster on CPU.
-            flat = b.dec_ctx.flatten()
-            shape = (*b.dec_ctx.shape, *kc.shape[1:])
-            kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [D, kvh, L, hd]
-            vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2), kd, vd, attn_mask=b.dec_mask, scale=self.scaling, enable_gqa=True
-            )
-            out[:d] = o.squeeze(2)
+            out[:d] = self._decode(q[:d], kc, vc, b, ctx)
         for start, end, ctx, mask in b.prefills:
             kp = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, kvh, L, hd]
             vp = vc.index_select(0, ctx).transpose(0, 1)[None]
@@ -115,3 +123,8 @@ class PagedForward:
             )
             out[start:end] = o[0].transpose(0, 1)
         return attn.o_proj(out.reshape(t, -1))
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx) -> torch.Tensor:
+        if self.paged:
+            return attention.decode_paged(q, kc, vc, b.dec_table, b.dec_lens, self.scaling, self.cache.block_size)
+        return attention.decode_sdpa(q, kc, vc, *ctx, self.scaling)

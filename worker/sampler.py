@@ -117,10 +117,10 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
         from worker.grammar import apply_masks
 
         apply_masks(logits, [r.grammar for r in rows])
-    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-    if bool(greedy.all()):
+    if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1)
     else:
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         temps = torch.tensor([max(r.params.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
         probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
         # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw

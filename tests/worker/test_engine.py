@@ -132,3 +132,20 @@ def test_shared_prompt_prefixes_are_computed_once(model, prompts, reference):
     assert [again[str(i)].output_ids for i in range(len(prompts))] == reference
     assert [first[str(i)].output_ids for i in range(len(prompts))] == reference
     assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_decode_steps_through_fixed_size_buffers_equal_eager(model, prompts, reference):
+    # Buckets 1, 2, 4: five sequences run eagerly; as two of them finish early, four and then three (padded to
+    # four, the spare row pointed away from the live sequence it held the step before) replay the buffers.
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192, graph_batch=4)
+    lengths = [NEW, 8, 12, NEW, NEW]
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=n, temperature=0))
+        for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    done = run(engine, seqs)
+    assert engine.graphs is not None and engine.graphs.sizes == [1, 2, 4]
+    assert [done[str(i)].output_ids for i in range(len(prompts))] == [
+        r[:n] for r, n in zip(reference, lengths, strict=True)
+    ]
+    assert engine.blocks.available() == engine.blocks.num_blocks

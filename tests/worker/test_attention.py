@@ -1,0 +1,46 @@
+"""Decode attention over the paged cache: the CUDA kernel (in Triton's interpreter off a GPU) against SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker import attention
+
+BLOCK = 16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (32, 8, 128), (9, 3, 64)])
+def test_paged_kernel_equals_gathered_sdpa(heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    num_blocks = 64
+    with torch.device(DEV):
+        kc = torch.randn(num_blocks * BLOCK, kv_heads, head_dim)
+        vc = torch.randn(num_blocks * BLOCK, kv_heads, head_dim)
+        # Lengths inside one block, at block and tile edges, across several tiles; blocks scattered over the pool.
+        lens = torch.tensor([1, 15, 16, 17, 64, 65, 200], dtype=torch.int32)
+        table = torch.stack([torch.randperm(num_blocks)[:13] for _ in lens]).to(torch.int32)
+        q = torch.randn(len(lens), heads, head_dim)
+    scale = head_dim**-0.5
+
+    got = attention.decode_paged(q, kc, vc, table, lens, scale, BLOCK)
+    want = attention.decode_sdpa(q, kc, vc, *attention.gather_context(table, lens, BLOCK), scale)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_keys_past_a_sequences_length_are_not_read():
+    torch.manual_seed(1)
+    with torch.device(DEV):
+        kc = torch.randn(8 * BLOCK, 2, 64)
+        vc = torch.randn(8 * BLOCK, 2, 64)
+        table = torch.tensor([[3, 5, 0, 0]], dtype=torch.int32)
+        lens = torch.tensor([20], dtype=torch.int32)
+        q = torch.randn(1, 4, 64)
+    before = attention.decode_paged(q, kc, vc, table, lens, 0.125, BLOCK)
+    # Whatever sits in the rest of block 5 and in the blocks the table pads with is not part of the context.
+    kc[5 * BLOCK + 4 : 6 * BLOCK] = 1e4
+    kc[:BLOCK] = float("nan")
+    vc[:BLOCK] = float("nan")
+    after = attention.decode_paged(q, kc, vc, table, lens, 0.125, BLOCK)
+    torch.testing.assert_close(after, before)
