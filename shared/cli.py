@@ -40,7 +40,6 @@ def worker_command(settings: Settings) -> list[str]:
         f"{settings.model_name}@%h-{os.getpid()}",
         "--without-mingle",
         "--without-gossip",
-        "-E",
         "--loglevel",
         "INFO",
     )

@@ -40,7 +40,9 @@ def make_celery(settings: Settings) -> Celery:
         task_default_priority=celery_priority(0),
         task_serializer="json",
         accept_content=["json"],
-        worker_send_task_events=True,
+        # No task events unless someone watches: publishing three per job was a fifth of a worker's CPU per request.
+        # Flower switches them on (its enable_events broadcast) while it runs.
+        worker_send_task_events=False,
         task_default_queue=keys.celery_queue(settings.model_name),
         worker_hijack_root_logger=False,
     )
