@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import Conflict, JobNotFound
 from shared import keys
-from shared.jobs import CANCEL
+from shared.jobs import CANCEL, SUBMIT
 from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
 from shared.queue import GENERATE_TASK, celery_priority
 from shared.settings import Settings
@@ -24,6 +24,7 @@ class JobStore:
         self.celery = celery
         self.settings = settings
         self._cancel = client.register_script(CANCEL)
+        self._submit = client.register_script(SUBMIT)
 
     async def submit(
         self,
@@ -32,25 +33,24 @@ class JobStore:
         model: str,
         prompt_ids: list[int],
         request_id: str | None,
-    ) -> Job:
+    ) -> tuple[Job, int]:
+        """The job, recorded and enqueued, and its queue position at that moment."""
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         job = Job(
             id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
         )
-        # The id is claimed first (HSETNX), so a repeated request_id can never overwrite another job.
-        if not await self.redis.hsetnx(keys.job(job.id), "id", job.id):
-            raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
         lane = celery_priority(request.priority)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(keys.job(job.id), mapping=job.to_redis())
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
-        pipe.zadd(keys.waiting(model), {job.id: lane * 1e11 + time.time()})
-        await pipe.execute()
+        score = lane * 1e11 + time.time()
+        record = [x for pair in job.to_redis().items() for x in pair]
+        rank = await self._submit(keys=[keys.job(job.id), keys.waiting(model)], args=[job.id, score, *record])
+        if rank is None:
+            raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
         # The record exists before the task does, so a worker never picks up a job it cannot read.
         await run_in_threadpool(
             self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model), priority=lane
         )
-        return job
+        return job, rank + 1
 
     async def get(self, job_id: str) -> Job:
         h = await self.redis.hgetall(keys.job(job_id))
@@ -58,8 +58,14 @@ class JobStore:
             raise JobNotFound(job_id)
         return Job.from_redis(h)
 
+    async def result_json(self, job_id: str) -> str | None:
+        """A completed job's result as the JSON the worker stored, else None: a finished non-streamed request is
+        answered without parsing the record and its request."""
+        status, result = await self.redis.hmget(keys.job(job_id), "status", "result")
+        return result if status == JobStatus.completed else None
+
     async def cancel(self, job_id: str) -> None:
-        done = Event(seq=1, event=EventKind.done).model_dump_json()
+        done = Event(seq=1, event=EventKind.done).to_json()
         status = await self._cancel(
             keys=[
                 keys.job(job_id),
@@ -85,8 +91,9 @@ class JobStore:
         # One model is served per deployment for now; per-model routing will read it from the record.
         return self.settings.model_name
 
-    async def view(self, job: Job) -> dict[str, Any]:
-        """The job as a chat.completion object with its status, as GET returns it."""
+    async def view(self, job: Job, queue_position: int | None = None) -> dict[str, Any]:
+        """The job as a chat.completion object with its status, as GET returns it; a queued job's position is read
+        unless given."""
         obj: dict[str, Any] = (
             dict(job.result)
             if job.result
@@ -104,7 +111,7 @@ class JobStore:
             "completion_tokens": job.completion_tokens,
         }
         if job.status is JobStatus.queued:
-            progress["queue_position"] = await self.queue_position(job)
+            progress["queue_position"] = queue_position or await self.queue_position(job)
         obj["progress"] = progress
         if job.error:
             obj["error"] = job.error

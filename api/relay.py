@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 import anyio
-import orjson
 import redis.asyncio as aioredis
 
 from shared import keys
@@ -97,7 +96,7 @@ class Relay:
 
     async def _log(self, job_id: str, after: int) -> list[Event]:
         entries = await self.redis.xrange(keys.events(job_id), min=f"0-{after + 1}")
-        return [Event.model_validate(orjson.loads(fields["msg"])) for _, fields in entries]
+        return [Event.from_json(fields["msg"]) for _, fields in entries]
 
     async def batches(self, job_id: str, after: int = 0) -> AsyncIterator[list[Event]]:
         """Every event of the job with seq > after, each once and in order, in batches of whatever arrived
@@ -122,7 +121,7 @@ class Relay:
                 raw = [await queue.get()]
                 while not queue.empty():
                     raw.append(queue.get_nowait())
-                backlog = [] if RESYNC in raw else [Event.model_validate(orjson.loads(m)) for m in raw]
+                backlog = [] if RESYNC in raw else [Event.from_json(m) for m in raw]
                 # Ahead of what was sent (or the connection broke): something was missed, so read the log again.
                 if RESYNC in raw or backlog and backlog[0].seq > last + 1:
                     backlog = await self._log(job_id, last)

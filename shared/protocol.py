@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -475,10 +476,23 @@ class EventKind(StrEnum):
     done = "done"  # data: null; the last event of every job
 
 
-class Event(BaseModel):
+@dataclass(slots=True)
+class Event:
+    """A plain dataclass, encoded with orjson: the worker builds and the API relays one per streamed token, and
+    pydantic's validation of the nested chunk object cost more than the rest of a relayed frame."""
+
     seq: int
     event: EventKind
     data: dict[str, Any] | None = None
+
+    def to_json(self) -> bytes:
+        """The `msg` of the log entry and of the pub/sub message."""
+        return orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
+
+    @classmethod
+    def from_json(cls, msg: str | bytes) -> Event:
+        d = orjson.loads(msg)
+        return cls(d["seq"], EventKind(d["event"]), d.get("data"))
 
     def sse_data(self) -> bytes:
         return b"[DONE]" if self.event is EventKind.done else orjson.dumps(self.data)
