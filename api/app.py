@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from api import errors
@@ -178,13 +178,18 @@ def create_app(settings: Settings) -> FastAPI:
         request: Request,
         x_request_id: str | None,
     ) -> Any:
-        job = await store.submit(body, kind, resolve_model(body.model), prompt_ids, x_request_id or body.request_id)
+        job, position = await store.submit(
+            body, kind, resolve_model(body.model), prompt_ids, x_request_id or body.request_id
+        )
         if body.stream:
             return sse(job.id, 0, cancel_on_disconnect=not body.background)
         if body.background:
-            return JSONResponse(await store.view(job), status_code=202)
+            return JSONResponse(await store.view(job, position), status_code=202)
         if not await wait_done(job.id, request):
             return JSONResponse(error_body("The client disconnected.", "APIError", 499), status_code=499)
+        result = await store.result_json(job.id)
+        if result is not None:
+            return Response(result, media_type="application/json")
         return await finished_response(await store.get(job.id))
 
     @app.post("/v1/chat/completions")

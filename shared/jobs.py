@@ -1,18 +1,29 @@
-"""Atomic job-record transitions, as Lua scripts both sides register (redis-py runs them by SHA).
+"""Atomic job-record transitions, as Lua scripts both sides run.
 
-The status field changes hands exactly once per transition: queued -> in_progress by one worker's claim,
+A record is created queued by the API's submit; the status field then changes hands exactly once per transition:
+queued -> in_progress by one worker's claim,
 queued -> cancelled by the API, in_progress -> completed | failed | cancelled by the worker that holds it.
 """
 
 from __future__ import annotations
 
-# KEYS: job, waiting zset. ARGV: worker name, now. Returns 1 when this worker now holds the job.
+# KEYS: job, waiting zset. ARGV: job id, queue score, then the record's field/value pairs. Returns the job's rank in
+# the waiting set (its queue position - 1), or nil when the id is taken: a repeated request_id never overwrites a job.
+SUBMIT = """
+if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return nil end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return redis.call('ZRANK', KEYS[2], ARGV[1])
+"""
+
+# KEYS: job, waiting zset. ARGV: worker name, now, job id. Returns the claimed record (HGETALL's field/value list),
+# empty when the job is not this worker's to run: the claim and the read are one round trip.
 CLAIM = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return {} end
 redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('ZREM', KEYS[2], ARGV[3])
-return 1
+return redis.call('HGETALL', KEYS[1])
 """
 
 # KEYS: job, events, live, cancel flag, waiting zset. ARGV: ttl, done message, job id.

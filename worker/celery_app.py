@@ -86,10 +86,10 @@ def _heartbeat(state: WorkerState) -> None:
 def generate(job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
     r = _state.redis
-    claimed = r.eval(CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id)
-    if not claimed:  # cancelled while queued, expired, or already held by another worker
+    record = r.eval(CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id)
+    if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
-    job = Job.from_redis(r.hgetall(keys.job(job_id)))
+    job = Job.from_redis(dict(zip(record[::2], record[1::2], strict=True)))
     run = _state.runner.submit(job)
     run.done.wait()
     return run.status.value if run.status else "unknown"
