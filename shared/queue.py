@@ -41,7 +41,7 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         # No task events unless someone watches: publishing three per job was a fifth of a worker's CPU per request.
-        # Flower switches them on (its enable_events broadcast) while it runs.
+        # Flower switches them on (its periodic enable_events broadcast).
         worker_send_task_events=False,
         task_default_queue=keys.celery_queue(settings.model_name),
         worker_hijack_root_logger=False,
