@@ -66,7 +66,8 @@ class Model:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    # Every open stream holds a pub/sub connection, so the pool grows with the streams instead of capping at 100.
+    # Hundreds of requests may wait on Redis at once (submits, each new stream's log read): the pool grows with
+    # them instead of making them queue behind a small cap.
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, decode_responses=True, max_connections=10_000, timeout=None
     )
