@@ -96,7 +96,12 @@ class Engine:
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
         max_blocks = -(-max_model_len // block_size)
-        self.graphs = DecodeGraphs(self.forward, graph_batch, max_blocks) if graph_batch > 0 else None
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch > 0:
+            try:
+                self.graphs = DecodeGraphs(self.forward, graph_batch, max_blocks)
+            except Exception:  # a model or driver the capture cannot handle still serves, only slower
+                log.exception("capturing CUDA graphs failed; every step runs eagerly")
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len

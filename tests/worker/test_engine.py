@@ -149,3 +149,14 @@ def test_decode_steps_through_fixed_size_buffers_equal_eager(model, prompts, ref
         r[:n] for r, n in zip(reference, lengths, strict=True)
     ]
     assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_a_failed_graph_capture_leaves_the_engine_eager(model, prompts, reference, monkeypatch):
+    def capture_fails(*_args, **_kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("worker.engine.DecodeGraphs", capture_fails)
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192, graph_batch=4)
+    assert engine.graphs is None
+    done = run(engine, [greedy(0, prompts[0])])
+    assert done["0"].output_ids == reference[0]
