@@ -160,3 +160,19 @@ def test_a_failed_graph_capture_leaves_the_engine_eager(model, prompts, referenc
     assert engine.graphs is None
     done = run(engine, [greedy(0, prompts[0])])
     assert done["0"].output_ids == reference[0]
+
+
+def test_decode_through_the_cuda_kernel_equals_generate(model, prompts, reference):
+    # The CUDA decode path (the Triton kernel reading the block tables, through the graph buffers), here in Triton's
+    # interpreter: five sequences, then four and three as two finish early.
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192, graph_batch=4)
+    engine.forward.paged = True
+    lengths = [8, 3, 5, 8, 8]
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=n, temperature=0))
+        for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    done = run(engine, seqs)
+    assert [done[str(i)].output_ids for i in range(len(prompts))] == [
+        r[:n] for r, n in zip(reference, lengths, strict=True)
+    ]
