@@ -244,7 +244,7 @@ class Engine:
         logits_at: list[int] = []
         emitting: list[Sequence] = []
         decodes: list[Sequence] = []
-        prefills = []
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for seq, n in scheduled:
             start = len(ids)
             first = seq.num_cached

@@ -16,6 +16,9 @@ from torch import nn
 
 from worker import attention
 
+# A CPU decode's gathered context: slot ids [D, Lmax] and the mask of the real ones (attention.gather_context).
+Context = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class Batch:
@@ -84,8 +87,9 @@ class PagedForward:
     def __call__(self, b: Batch) -> torch.Tensor:
         """Next-token logits (float32) of the rows `b.logits_at` names. Decode-only batches make no host sync on
         CUDA, so the same call can be captured in a CUDA graph."""
-        ctx = None
+        ctx: Context | None = None
         if b.num_decode and not self.paged:
+            assert b.dec_table is not None and b.dec_lens is not None
             ctx = attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])
@@ -99,7 +103,9 @@ class PagedForward:
         h = self.norm(h if b.logits_at is None else h[b.logits_at])
         return self.lm_head(h).float()
 
-    def _attention(self, attn: nn.Module, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx) -> torch.Tensor:
+    def _attention(
+        self, attn: nn.Module, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
+    ) -> torch.Tensor:
         t = h.shape[0]
         q = attn.q_proj(h).view(t, -1, self.head_dim)
         k = attn.k_proj(h).view(t, -1, self.head_dim)
@@ -117,9 +123,9 @@ class PagedForward:
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], kc, vc, b, ctx)
-        for start, end, ctx, mask in b.prefills:
-            kp = kc.index_select(0, ctx).transpose(0, 1)[None]  # [1, kvh, L, hd]
-            vp = vc.index_select(0, ctx).transpose(0, 1)[None]
+        for start, end, context, mask in b.prefills:
+            kp = kc.index_select(0, context).transpose(0, 1)[None]  # [1, kvh, L, hd]
+            vp = vc.index_select(0, context).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None],
                 kp,
@@ -131,7 +137,8 @@ class PagedForward:
             out[start:end] = o[0].transpose(0, 1)
         return attn.o_proj(out.reshape(t, -1))
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx) -> torch.Tensor:
-        if self.paged:
-            return attention.decode_paged(q, kc, vc, b.dec_table, b.dec_lens, self.scaling, self.cache.block_size)
-        return attention.decode_sdpa(q, kc, vc, *ctx, self.scaling)
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx: Context | None):
+        if ctx is not None:
+            return attention.decode_sdpa(q, kc, vc, ctx[0], ctx[1], self.scaling)
+        assert b.dec_table is not None and b.dec_lens is not None
+        return attention.decode_paged(q, kc, vc, b.dec_table, b.dec_lens, self.scaling, self.cache.block_size)

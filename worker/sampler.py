@@ -134,9 +134,9 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw is not None:
         k = max(rows[i].params.logprobs or 0 for i in want)
-        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        chosen = raw.gather(1, torch.tensor([[ids[i]] for i in want], device=raw.device))[:, 0].tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        vals, top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        chosen = raw.gather(1, tokens[want][:, None])[:, 0].tolist()
+        top_vals, top_ids = vals.tolist(), top.tolist()
         for j, i in enumerate(want):
             n = rows[i].params.logprobs or 0
             logprobs[i] = TokenLogprob(chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
