@@ -27,7 +27,7 @@ from worker.engine import Engine, Finish, Output, Sequence
 from worker.grammar import GrammarCompiler, GrammarState
 from worker.parse import Delta, Parser, combine
 from worker.plan import plan
-from worker.publish import JobEnd, Publisher, StepWrites
+from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class Runner:
         self._failed: BaseException | None = None
         self.decoder = Decoder(tokenizer)
         self.eos_ids = eos_ids
-        self.publisher = publisher
+        self.outbox = Outbox(publisher)
         self.max_model_len = max_model_len
         self.settings = settings
         self.compiler = compiler
@@ -302,6 +302,7 @@ class Runner:
         self._stop.set()
         self.engine.wakeup.set()
         self.thread.join(timeout=10)
+        self.outbox.close()
 
     def submit(self, job: Job) -> JobRun:
         run = JobRun(
@@ -386,17 +387,24 @@ class Runner:
                 writes.progress[job_id] = run.completion_tokens
         # Progress and cancel flags are polled by people, not machines: a few times a second is plenty, and it keeps
         # a step's Redis writes to the events themselves (two commands per event) when hundreds of jobs run.
-        running: list[str] = []
+        running: dict[str, list[str]] = {}  # job id -> its sequences
         if now - self.cancels_at >= CANCEL_CHECK_EVERY:
             self.cancels_at = now
             ended_ids = {r.job.id for r in ended}
-            running = [job_id for job_id in self.runs if job_id not in ended_ids]
-        for job_id in self.publisher.flush(writes, running):
-            for c in self.runs[job_id].choices:
-                self.engine.cancel(c.seq.id)
+            running = {i: [c.seq.id for c in r.choices] for i, r in self.runs.items() if i not in ended_ids}
         for run in ended:
             del self.runs[run.job.id]
             for c in run.choices:
                 self.by_seq.pop(c.seq.id, None)
             run.status = JobStatus.failed if run.error or run.rejected else JobStatus.completed
-            run.done.set()
+
+        def written(cancelled: set[str]) -> None:
+            for job_id in cancelled:
+                for seq_id in running[job_id]:
+                    self.engine.cancel(seq_id)
+            # Only now may the Celery task return (and ack): the job's final record is in Redis.
+            for run in ended:
+                run.done.set()
+
+        if writes or running or ended:
+            self.outbox.put(writes, list(running), written)

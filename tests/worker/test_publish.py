@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import redis
 
 from shared import keys
 from shared.protocol import Event, EventKind, JobStatus
-from worker.publish import JobEnd, Publisher, StepWrites
+from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 
 
 def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
@@ -37,3 +38,33 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
     assert r.hget(keys.job(job_id), "completion_tokens") == "7"
     for key in (keys.job(job_id), keys.events(job_id), keys.cancel(job_id)):
         assert 0 < r.ttl(key) <= 30
+
+
+def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    job_id = "chatcmpl-outbox-test"
+    r.set(keys.cancel(job_id), "1")
+    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings))
+    seen: list[tuple[int, int, set[str]]] = []
+    for seq in range(1, 51):
+        step = StepWrites(events=[(job_id, Event(seq=seq, event=EventKind.chunk, data={"n": seq}))])
+
+        def written(cancelled: set[str], seq: int = seq) -> None:
+            seen.append((seq, r.xlen(keys.events(job_id)), cancelled))
+
+        outbox.put(step, [job_id] if seq == 50 else [], written)
+    outbox.close()
+    # Each step is in the log by the time it is reported, and the reports come in step order.
+    assert [(s, n) for s, n, _ in seen] == [(s, s) for s in range(1, 51)]
+    assert seen[-1][2] == {job_id} and not any(c for _, _, c in seen[:-1])
+    assert [i for i, _ in r.xrange(keys.events(job_id))] == [f"0-{s}" for s in range(1, 51)]
+
+
+def test_a_step_that_cannot_be_written_is_still_reported(settings):
+    done = threading.Event()
+    unreachable = Publisher(redis.Redis(port=1, socket_connect_timeout=0.2), settings)
+    outbox = Outbox(unreachable)
+    outbox.put(StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))]), [], lambda _: done.set())
+    outbox.close()
+    # The job's task is released (it would otherwise hold its Celery slot forever); the error is logged.
+    assert done.is_set()
