@@ -71,7 +71,9 @@ class EmbeddedRedis:
             "--appendonly",
             "yes" if self.persist else "no",
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        # A session of its own: a terminal's Ctrl-C reaches the whole foreground group, and the worker and the API
+        # still talk to Redis while they shut down; `stop` ends it after them.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis(port=self.port)
         deadline = time.time() + 10
         while True:
