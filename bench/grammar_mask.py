@@ -144,6 +144,18 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return (time.perf_counter() - t) * 1e3, out
 
 
+def per_call_ms(cases: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Milliseconds per call of each case, after one warm-up call."""
+    out = {}
+    for label, fn in cases.items():
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out[label] = (time.perf_counter() - t) * 1e3 / reps
+    return out
+
+
 def allowed(bitmask: torch.Tensor, token: int) -> bool:
     return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
 
@@ -230,19 +242,15 @@ def bench_batch_fill(tok: Tokenizer, batch: int = 32, reps: int = 50) -> dict[st
         for lm, i in lpairs:
             llgt.fill_next_token_bitmask(lm, bitmask, i)
 
-    out = {}
-    for label, fn in (
-        ("xgrammar loop", xloop),
-        ("xgrammar BatchGrammarMatcher", lambda: xbatch.batch_fill_next_token_bitmask(matchers, bitmask)),
-        ("llguidance loop", lloop),
-        ("llguidance LLExecutor", lambda: llgt.fill_next_token_bitmask_par(executor, lpairs, bitmask)),
-    ):
-        fn()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        out[label] = (time.perf_counter() - t) * 1e3 / reps
-    return out
+    return per_call_ms(
+        {
+            "xgrammar loop": xloop,
+            "xgrammar BatchGrammarMatcher": lambda: xbatch.batch_fill_next_token_bitmask(matchers, bitmask),
+            "llguidance loop": lloop,
+            "llguidance LLExecutor": lambda: llgt.fill_next_token_bitmask_par(executor, lpairs, bitmask),
+        },
+        reps,
+    )
 
 
 def bench_apply(batch: int, rows_masked: int, reps: int = 100) -> dict[str, float]:
@@ -255,17 +263,13 @@ def bench_apply(batch: int, rows_masked: int, reps: int = 100) -> dict[str, floa
         keep = (bitmask[idx, :, None] >> bits) & 1
         logits[idx] = logits[idx].masked_fill(keep.view(len(idx), -1)[:, :VOCAB] == 0, float("-inf"))
 
-    out = {}
-    for label, fn in (
-        ("xgrammar CPU kernel", lambda: xgr.apply_token_bitmask_inplace(logits, bitmask, indices=idx)),
-        ("torch (unpack + masked_fill)", torch_native),
-    ):
-        fn()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        out[label] = (time.perf_counter() - t) * 1e3 / reps
-    return out
+    return per_call_ms(
+        {
+            "xgrammar CPU kernel": lambda: xgr.apply_token_bitmask_inplace(logits, bitmask, indices=idx),
+            "torch (unpack + masked_fill)": torch_native,
+        },
+        reps,
+    )
 
 
 def bench_decode() -> dict[int, float]:
