@@ -1,8 +1,8 @@
 """Atomic job-record transitions, as Lua scripts both sides run.
 
 A record is created queued by the API's submit; the status field then changes hands exactly once per transition:
-queued -> in_progress by one worker's claim,
-queued -> cancelled by the API, in_progress -> completed | failed | cancelled by the worker that holds it.
+queued -> in_progress by one worker's claim, queued -> cancelled by the API, in_progress -> completed | failed |
+cancelled by the worker that holds it.
 """
 
 from __future__ import annotations
