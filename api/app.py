@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from functools import cached_property
 from typing import Any, Literal
 
+import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +26,7 @@ from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Event,
     EventKind,
     GenerationRequest,
     Job,
@@ -73,7 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     client = aioredis.Redis(connection_pool=pool)
     store = JobStore(client, make_celery(settings), settings)
-    relay = Relay(client)
+    relay = Relay(client, settings.redis_url)
     model = Model(settings)
     background: set[asyncio.Task] = set()
 
@@ -110,13 +112,14 @@ def create_app(settings: Settings) -> FastAPI:
 
         return EventSourceResponse(frames(), ping=15, headers={"X-Accel-Buffering": "no"})
 
-    async def wait_done(job_id: str, request: Request) -> bool:
-        """True once the job ended; False, with the job cancelled, if the client disconnected first."""
+    async def wait_done(job_id: str, request: Request) -> Event | None:
+        """The job's `done` event once it ended; None, with the job cancelled, if the client disconnected first."""
 
-        async def ended() -> None:
+        async def ended() -> Event:
             async for event in relay.events(job_id):
                 if event.event is EventKind.done:
-                    return
+                    return event
+            raise RuntimeError("a job's events ended without `done`")
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -128,8 +131,8 @@ def create_app(settings: Settings) -> FastAPI:
             t.cancel()
         if done_task not in finished:
             cancel_later(job_id)
-            return False
-        return True
+            return None
+        return done_task.result()
 
     def admit(body: GenerationRequest, prompt_ids: list[int]) -> list[int]:
         """Checks that need the tokenizer or the context length; returns the prompt as it will run."""
@@ -186,8 +189,11 @@ def create_app(settings: Settings) -> FastAPI:
             return sse(job.id, 0, cancel_on_disconnect=not body.background)
         if body.background:
             return JSONResponse(await store.view(job, position), status_code=202)
-        if not await wait_done(job.id, request):
+        done = await wait_done(job.id, request)
+        if done is None:
             return JSONResponse(error_body("The client disconnected.", "APIError", 499), status_code=499)
+        if done.data is not None:
+            return Response(orjson.dumps(done.data), media_type="application/json")
         result = await store.result_json(job.id)
         if result is not None:
             return Response(result, media_type="application/json")

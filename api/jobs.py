@@ -8,13 +8,12 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from celery import Celery
-from starlette.concurrency import run_in_threadpool
 
 from api.errors import Conflict, JobNotFound
 from shared import keys
 from shared.jobs import CANCEL, SUBMIT
 from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
-from shared.queue import GENERATE_TASK, celery_priority
+from shared.queue import celery_priority, task_message
 from shared.settings import Settings
 
 
@@ -43,13 +42,12 @@ class JobStore:
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
         score = lane * 1e11 + time.time()
         record = [x for pair in job.to_redis().items() for x in pair]
-        rank = await self._submit(keys=[keys.job(job.id), keys.waiting(model)], args=[job.id, score, *record])
+        queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
+        rank = await self._submit(
+            keys=[keys.job(job.id), keys.waiting(model), queue], args=[job.id, score, message, *record]
+        )
         if rank is None:
             raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
-        # The record exists before the task does, so a worker never picks up a job it cannot read.
-        await run_in_threadpool(
-            self.celery.send_task, GENERATE_TASK, args=[job.id], queue=keys.celery_queue(model), priority=lane
-        )
         return job, rank + 1
 
     async def get(self, job_id: str) -> Job:

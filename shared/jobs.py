@@ -7,12 +7,15 @@ cancelled by the worker that holds it.
 
 from __future__ import annotations
 
-# KEYS: job, waiting zset. ARGV: job id, queue score, then the record's field/value pairs. Returns the job's rank in
-# the waiting set (its queue position - 1), or nil when the id is taken: a repeated request_id never overwrites a job.
+# KEYS: job, waiting zset, Celery queue list. ARGV: job id, queue score, Celery task message, then the record's
+# field/value pairs. Records the job and enqueues its task in one step, so no job exists that no worker will get.
+# Returns the job's rank in the waiting set (its queue position - 1), or nil when the id is taken: a repeated
+# request_id never overwrites a job.
 SUBMIT = """
 if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return nil end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('LPUSH', KEYS[3], ARGV[3])
 return redis.call('ZRANK', KEYS[2], ARGV[1])
 """
 

@@ -473,7 +473,7 @@ class Job(BaseModel):
 class EventKind(StrEnum):
     chunk = "chunk"  # data: a chat.completion.chunk object
     error = "error"  # data: {"error": {...}} in OpenAI's error shape
-    done = "done"  # data: null; the last event of every job
+    done = "done"  # the last event of every job; data: the final object for a completed non-streamed request, else null
 
 
 @dataclass(slots=True)

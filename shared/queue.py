@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import uuid
+
+import orjson
 from celery import Celery
 
 from shared import keys
@@ -47,3 +51,35 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
     )
     return app
+
+
+# kombu's Redis transport keeps priority lane n of queue q in the list "q\x06\x16n" (lane 0 in "q" itself).
+_LANE_SEP = "\x06\x16"
+
+
+def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, str]:
+    """The Redis list and the message that `app.send_task(GENERATE_TASK, [job_id], queue=queue, priority=lane)`
+    would push there, for the API's submit script to push itself.
+
+    send_task publishes through its own blocking connection, after the job record is written, in a separate round
+    trip: it cost the API more than a millisecond of CPU per request, and an API that died between the two left a
+    queued job no worker would ever get. Celery builds the task message (its protocol 2); only the envelope that
+    kombu's Redis transport wraps around it is written here, as kombu's virtual channel does in basic_publish.
+    """
+    task_id = str(uuid.uuid4())
+    msg = app.amqp.as_task_v2(task_id, GENERATE_TASK, args=[job_id], ignore_result=None)
+    envelope = {
+        "body": base64.b64encode(orjson.dumps(msg.body)).decode(),
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": msg.headers,
+        "properties": msg.properties
+        | {
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": lane,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }
+    return (f"{queue}{_LANE_SEP}{lane}" if lane else queue), orjson.dumps(envelope).decode()

@@ -249,10 +249,13 @@ class JobRun:
             result["usage"]["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
-        opts = self.job.request.stream_options
+        req = self.job.request
+        opts = req.stream_options
         if status is JobStatus.completed and opts is not None and opts.include_usage:
             events.append(self._event(EventKind.chunk, self.chunks.usage(prompt_tokens, completion_tokens)))
-        events.append(self._event(EventKind.done))
+        # A client waiting for the whole answer gets it with `done`, saving the API a read of the record.
+        waited = status is JobStatus.completed and not req.stream and not req.background
+        events.append(self._event(EventKind.done, result if waited else None))
         return events, JobEnd(self.job.id, status, completion_tokens, result=result)
 
 

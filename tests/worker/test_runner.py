@@ -82,6 +82,26 @@ def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple
     return events + closing, end.result
 
 
+@pytest.mark.parametrize(
+    ("fields", "carries_result"),
+    [
+        ({}, True),
+        ({"stream": True}, False),
+        ({"background": True}, False),
+        ({"stream": True, "background": True}, False),
+    ],
+)
+def test_done_carries_the_answer_only_to_a_waiting_client(decoder, fields, carries_result):
+    events, result = run_text(decoder, "Fine, thanks.", Settings(), **fields)
+    done = events[-1]
+    assert done.event is EventKind.done
+    if carries_result:
+        assert done.data == result and result["choices"][0]["message"]["content"] == "Fine, thanks."
+    else:
+        assert done.data is None
+        assert done.sse_data() == b"[DONE]"
+
+
 def test_reasoning_is_split_from_content_and_counted(decoder):
     settings = Settings(reasoning_parser="qwen3")
     text = "<think>The user greets me.</think>\n\nHello!"

@@ -1,0 +1,79 @@
+"""The relay against a real Redis, fed by the worker's own publishing script: every event once, in order, whatever
+happened to the pub/sub connection or to when the stream started."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from api.relay import Relay
+from shared import keys
+from shared.jobs import PUBLISH_EVENTS
+from shared.protocol import Event, EventKind
+from shared.settings import Settings
+
+
+def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
+    """Events `seqs` of a job in the worker's format; `last` is its done event."""
+    args: list[str | bytes] = []
+    for s in seqs:
+        data = None if s == last else {"choices": [{"delta": {"content": f"t{s}"}}]}
+        args += [f"0-{s}", Event(s, EventKind.done if s == last else EventKind.chunk, data).to_json()]
+    event_keys = [keys.events(job_id), keys.live(job_id)] * len(seqs)
+    r.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
+
+
+async def collect(relay: Relay, job_id: str, after: int = 0) -> list[int]:
+    return [e.seq async for e in relay.events(job_id, after)]
+
+
+async def until_subscribed(r: aioredis.Redis, channel: str) -> None:
+    while not (await r.pubsub_numsub(channel))[0][1]:
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_every_event_once_across_a_broken_pubsub_connection(settings: Settings, r: redis.Redis) -> None:
+    job = "chatcmpl-relay-broken"
+
+    async def main() -> list[int]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        relay = Relay(client, settings.redis_url)
+        stream = asyncio.create_task(collect(relay, job))
+        await until_subscribed(client, keys.live(job))
+        publish(r, job, 1, 2, 3, last=7)
+        await asyncio.sleep(0.1)
+        assert r.client_kill_filter(_type="pubsub") >= 1
+        # The rest, up to `done`, while the relay has no connection (this coroutine does not yield in between): only
+        # the log has them, and no later message reveals the gap.
+        publish(r, job, 4, 5, 6, 7, last=7)
+        seqs = await stream
+        await client.aclose()
+        return seqs
+
+    assert asyncio.run(main()) == list(range(1, 8))
+
+
+@pytest.mark.timeout(30)
+def test_late_and_resumed_streams_replay_the_log(settings: Settings, r: redis.Redis) -> None:
+    job = "chatcmpl-relay-late"
+    publish(r, job, 1, 2, 3, last=6)
+
+    async def main() -> tuple[list[int], list[int]]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        relay = Relay(client, settings.redis_url)
+        full = asyncio.create_task(collect(relay, job))
+        resumed = asyncio.create_task(collect(relay, job, after=2))  # a second stream on the same channel
+        await until_subscribed(client, keys.live(job))
+        publish(r, job, 4, 5, 6, last=6)
+        out = await full, await resumed
+        assert (await client.pubsub_numsub(keys.live(job)))[0][1] == 0  # both streams released the channel
+        await client.aclose()
+        return out
+
+    full, resumed = asyncio.run(main())
+    assert full == [1, 2, 3, 4, 5, 6]
+    assert resumed == [3, 4, 5, 6]
