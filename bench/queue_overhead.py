@@ -8,13 +8,16 @@ Run from the repository root (the script puts the root on sys.path; `python -m b
 The worker is bench/zero_worker.py: the product's Celery app, task and Runner around an engine that emits one
 token (" hello") per sequence per step instantly, so whatever time a request takes is the service's overhead.
 
-1. latency: requests arrive at a fixed rate (--rate per second for --duration seconds, open loop), max_tokens 1,
-   once non-streamed and once streamed. End-to-end latency p50/p99 is the latency the service adds per request.
-   Split by the job record's timestamps: client send -> worker claim (`started`: HTTP, validation, rendering, job
-   record, Celery send and delivery), claim -> last write (`finished`: runner and publish), last write -> client has
-   the response (relay, final read, HTTP). Two more runs at the same rate for the breakdown, not for the targets:
-   `background: true` times the submit path alone (its "e2e" is the time to the 202), and `http-floor` is
-   GET /v1/models, the cost of the client, HTTP and FastAPI without Redis or a job.
+1. latency: requests arrive at a fixed rate (--rate per second for --duration seconds, open loop), max_tokens 1, once
+   non-streamed and once streamed. End-to-end latency p50/p99 is the latency the service adds per request. Split by
+   the job record's timestamps: client send -> worker claim (`started`: HTTP, validation, rendering, the submit
+   script that records the job and enqueues its task, Celery's delivery), claim -> last write (`finished`: runner and
+   publish), last write -> client has the response (relay, HTTP). Two more runs at the same rate for the breakdown,
+   not for the targets: `background: true` times the submit path alone (its "e2e" is the time to the 202), and
+   `http-floor` is GET /v1/models, the cost of the client, HTTP and FastAPI without Redis or a job. Beside them, the
+   round trip of a Redis PING from this process: a request crosses Redis about ten times on its way (submit,
+   delivery, the worker's bookkeeping, claim, step write, pub/sub, ack), so on a machine where one round trip takes
+   0.2 ms that floor alone is a few milliseconds.
 2. relay: --streams concurrent streams of --stream-tokens instant tokens each; relayed chunks/s = SSE data frames
    received by all clients / wall time, beside the events the worker published per second and its engine loop
    (steps/s, tokens per step, time per step and the part of it in Publisher.flush), from bench/zero_worker.py's
@@ -315,6 +318,16 @@ def warm_up(svc: Services) -> None:
         raise RuntimeError(f"the worker is not the zero-cost double: it answered {content!r}")
 
 
+def redis_round_trip(r: redis.Redis, n: int = 500) -> float:
+    """p50 seconds of one PING from this process on an idle stack."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        r.ping()
+        times.append(time.perf_counter() - start)
+    return pct(times, 50)
+
+
 def verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
@@ -335,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as svc:
         r = redis.Redis.from_url(svc.settings.redis_url, decode_responses=True)
         warm_up(svc)
+        rtt = redis_round_trip(r)
         print(f"latency: {args.rate:g} requests/s for {args.duration:g} s, max_tokens 1 ...")
         lat = [latency_phase(svc, r, mode, args) for mode in MODES]
         print(f"relay: {args.streams} streams x {args.stream_tokens} tokens ...")
@@ -386,10 +400,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bg, floor = lat[MODES.index("background")], lat[MODES.index("http-floor")]
     print(f"\nhttp-floor: GET /v1/models (client + HTTP + FastAPI, no Redis): p50 {ms(floor.e2e_p50_s)} ms")
+    print(f"Redis round trip (PING from the load generator, idle stack): p50 {ms(rtt)} ms")
     print(
         f"\nbackground: send -> 202 p50 {ms(bg.e2e_p50_s)} ms, send -> worker claim p50 {ms(bg.to_claim_p50_s)} ms"
-        " (the task is sent before the 202 is written, so the difference is the Celery hop + claim minus the"
-        f" API's work after send_task: {ms(bg.to_claim_p50_s - bg.e2e_p50_s)} ms)"
+        " (the task is enqueued with the job record before the 202 is written, so the difference is Celery's"
+        f" delivery + claim minus the API's work after the submit: {ms(bg.to_claim_p50_s - bg.e2e_p50_s)} ms)"
     )
     verdicts = []
     for x in lat:
@@ -406,7 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:\n  " + "\n  ".join(verdicts))
     write_json(
         args.out,
-        {"config": vars(args), "latency": [asdict(x) for x in lat], "relay": asdict(relay), "targets": verdicts},
+        {
+            "config": vars(args),
+            "redis_round_trip_s": rtt,
+            "latency": [asdict(x) for x in lat],
+            "relay": asdict(relay),
+            "targets": verdicts,
+        },
     )
     return 0
 

@@ -167,7 +167,7 @@ class JobRun:
             piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
             if self.plan.reasoning and getattr(choice.parser, "state", "content") != "content":
                 self.reasoning_tokens += 1
-            delta = _merge(delta, choice.parser.feed(piece.text))
+            delta = choice.parser.feed(piece.text)
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
                 stop_now = out.finish is None
@@ -282,7 +282,8 @@ class Runner:
         self._failed: BaseException | None = None
         self.decoder = Decoder(tokenizer)
         self.eos_ids = eos_ids
-        self.outbox = Outbox(publisher)
+        self.publisher = publisher
+        self.outbox: Outbox | None = None
         self.max_model_len = max_model_len
         self.settings = settings
         self.compiler = compiler
@@ -305,7 +306,8 @@ class Runner:
         self._stop.set()
         self.engine.wakeup.set()
         self.thread.join(timeout=10)
-        self.outbox.close()
+        if self.outbox is not None:
+            self.outbox.close()
 
     def submit(self, job: Job) -> JobRun:
         run = JobRun(
@@ -326,6 +328,8 @@ class Runner:
         # and a model loaded in another thread leaves two pools fighting over the cores (decode ran 2.4x slower).
         try:
             self.engine = self.make_engine()
+            on_gpu = str(getattr(self.engine, "device", "")).startswith("cuda")
+            self.outbox = Outbox(self.publisher, threaded=on_gpu)
         except BaseException as e:
             self._failed = e
             raise
@@ -410,4 +414,5 @@ class Runner:
                 run.done.set()
 
         if writes or running or ended:
+            assert self.outbox is not None
             self.outbox.put(writes, list(running), written)

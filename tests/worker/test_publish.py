@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import redis
 
 from shared import keys
@@ -40,11 +41,12 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
         assert 0 < r.ttl(key) <= 30
 
 
-def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings):
+@pytest.mark.parametrize("threaded", [True, False])
+def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, threaded):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    job_id = "chatcmpl-outbox-test"
+    job_id = f"chatcmpl-outbox-test-{threaded}"
     r.set(keys.cancel(job_id), "1")
-    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings))
+    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings), threaded=threaded)
     seen: list[tuple[int, int, set[str]]] = []
     for seq in range(1, 51):
         step = StepWrites(events=[(job_id, Event(seq=seq, event=EventKind.chunk, data={"n": seq}))])
@@ -60,10 +62,11 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings):
     assert [i for i, _ in r.xrange(keys.events(job_id))] == [f"0-{s}" for s in range(1, 51)]
 
 
-def test_a_step_that_cannot_be_written_is_still_reported(settings):
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_step_that_cannot_be_written_is_still_reported(settings, threaded):
     done = threading.Event()
     unreachable = Publisher(redis.Redis(port=1, socket_connect_timeout=0.2), settings)
-    outbox = Outbox(unreachable)
+    outbox = Outbox(unreachable, threaded=threaded)
     outbox.put(StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))]), [], lambda _: done.set())
     outbox.close()
     # The job's task is released (it would otherwise hold its Celery slot forever); the error is logged.
