@@ -47,11 +47,19 @@ return status
 """
 
 # One call per engine step for every event of every job: KEYS come in pairs (a job's event log, its live channel),
-# ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published.
+# ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published. An event
+# already in the log (its id is not above the log's last) is skipped, so a step sent again after a lost reply is
+# written and published once.
 PUBLISH_EVENTS = """
+local written = 0
 for i = 1, #KEYS, 2 do
-  redis.call('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
-  redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
+  local added = redis.pcall('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
+  if type(added) == 'table' and added.err then
+    if not string.find(added.err, 'equal or smaller', 1, true) then return redis.error_reply(added.err) end
+  else
+    redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
+    written = written + 1
+  end
 end
-return #KEYS / 2
+return written
 """

@@ -10,6 +10,7 @@ while Redis takes this one: a step's writes cost as long as a decode step of a s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -105,6 +106,7 @@ class Outbox:
 
     def __init__(self, publisher: Publisher, *, threaded: bool, depth: int = 2):
         self.publisher = publisher
+        self._closing = threading.Event()
         self._queue: queue.Queue[tuple[StepWrites, list[str], Callable[[set[str]], None]] | None] = queue.Queue(depth)
         self._thread: threading.Thread | None = None
         if threaded:
@@ -118,9 +120,11 @@ class Outbox:
             self._queue.put((writes, running, then))
 
     def close(self, timeout: float = 10) -> None:
-        """Sends what is queued, then stops."""
+        """Sends what is queued, then stops; a step waiting for an unreachable Redis is given up."""
+        self._closing.set()
         if self._thread is not None:
-            self._queue.put(None)
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=timeout)
             self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -129,10 +133,22 @@ class Outbox:
 
     def _write(self, writes: StepWrites, running: list[str], then: Callable[[set[str]], None]) -> None:
         cancelled: set[str] = set()
-        try:
-            cancelled = self.publisher.flush(writes, running)
-        except Exception:
-            log.exception("writing a step to Redis failed")
+        delay = 0.1
+        while True:
+            try:
+                cancelled = self.publisher.flush(writes, running)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Sent again until Redis takes it: the step's events are skipped where they were already written.
+                if self._closing.is_set():
+                    log.error("shutting down with Redis unreachable: a step's writes are lost (%s)", e)
+                    break
+                log.warning("Redis unreachable (%s); writing the step again in %.1f s", e, delay)
+                self._closing.wait(delay)
+                delay = min(2 * delay, 2.0)
+            except Exception:
+                log.exception("writing a step to Redis failed")
+                break
         try:
             then(cancelled)
         except Exception:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import redis
 
 from shared import keys
+from shared.embedded_redis import EmbeddedRedis
 from shared.protocol import Event, EventKind, JobStatus
 from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 
@@ -62,12 +64,62 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
     assert [i for i, _ in r.xrange(keys.events(job_id))] == [f"0-{s}" for s in range(1, 51)]
 
 
+def test_a_step_sent_again_is_written_and_published_once(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    job_id = "chatcmpl-publish-twice"
+    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings)
+    listener = r.pubsub()
+    listener.subscribe(keys.live(job_id))
+    assert listener.get_message(timeout=5)["type"] == "subscribe"
+    step = StepWrites(events=[(job_id, Event(seq=s, event=EventKind.chunk, data={"n": s})) for s in (1, 2)])
+    publisher.flush(step, [])
+    publisher.flush(step, [])  # as after a reply lost on its way back
+    again = StepWrites(events=[(job_id, Event(seq=s, event=EventKind.chunk, data={"n": s})) for s in (2, 3)])
+    publisher.flush(again, [])  # overlapping: only the new event goes out
+    got = []
+    while (m := listener.get_message(timeout=0.2)) is not None:
+        got.append(Event.from_json(m["data"]).seq)
+    assert got == [1, 2, 3]
+    assert [i for i, _ in r.xrange(keys.events(job_id))] == ["0-1", "0-2", "0-3"]
+
+
 @pytest.mark.parametrize("threaded", [True, False])
-def test_a_step_that_cannot_be_written_is_still_reported(settings, threaded):
-    done = threading.Event()
-    unreachable = Publisher(redis.Redis(port=1, socket_connect_timeout=0.2), settings)
-    outbox = Outbox(unreachable, threaded=threaded)
-    outbox.put(StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))]), [], lambda _: done.set())
+def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
+    server = EmbeddedRedis(tmp_path, persist=False).start()
+    port = server.port
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
+    outbox = Outbox(Publisher(client, settings), threaded=threaded)
+    server.stop()
+    written = threading.Event()
+    step = StepWrites(events=[("chatcmpl-retry", Event(seq=1, event=EventKind.done))])
+    # Inline, put itself waits for Redis: call it from the thread an engine would.
+    threading.Thread(target=outbox.put, args=(step, [], lambda _: written.set()), daemon=True).start()
+    time.sleep(0.5)
+    assert not written.is_set()
+    server = EmbeddedRedis(tmp_path, persist=False)
+    server.port = port  # the same port, though the old one's connections may still hold it in TIME_WAIT
+    server.start()
+    try:
+        assert written.wait(10)
+        assert client.xlen(keys.events("chatcmpl-retry")) == 1
+    finally:
+        outbox.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(settings, threaded):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    job_id = f"chatcmpl-refused-{threaded}"
+    r.set(keys.events(job_id), "not a stream")
+    refused, gone = threading.Event(), threading.Event()
+    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings), threaded=threaded)
+    outbox.put(StepWrites(events=[(job_id, Event(seq=1, event=EventKind.done))]), [], lambda _: refused.set())
     outbox.close()
-    # The job's task is released (it would otherwise hold its Celery slot forever); the error is logged.
-    assert done.is_set()
+    unreachable = Outbox(Publisher(redis.Redis(port=1, socket_connect_timeout=0.2), settings), threaded=threaded)
+    step = StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))])
+    threading.Thread(target=unreachable.put, args=(step, [], lambda _: gone.set()), daemon=True).start()
+    time.sleep(0.3)
+    unreachable.close()
+    # Each job's task is released (it would otherwise hold its Celery slot forever); the errors are logged.
+    assert refused.wait(5) and gone.wait(5)
