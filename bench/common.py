@@ -26,6 +26,8 @@ from shared.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 # Where bench/zero_worker.py keeps its engine-loop counters.
 STATS_KEY = "bench:zero_worker:stats"
+# A task bench/zero_worker.py registers that does nothing: the cost of Celery alone per task.
+NOOP_TASK = "chatq.bench.noop"
 
 
 # --- processes ------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
+    NOOP_TASK,
     STATS_KEY,
     Services,
     cpu_seconds,
@@ -58,6 +59,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from shared import keys  # noqa: E402
+from shared.queue import celery_priority, make_celery  # noqa: E402
 
 LATENCY_P50, LATENCY_P99, CHUNKS_PER_S = 0.005, 0.025, 20_000
 
@@ -318,6 +320,25 @@ def warm_up(svc: Services) -> None:
         raise RuntimeError(f"the worker is not the zero-cost double: it answered {content!r}")
 
 
+def celery_floor(svc: Services, args: argparse.Namespace) -> float:
+    """Worker CPU seconds per no-op task sent at the latency phases' rate: Celery's receive, thread pool and late
+    ack, with none of chatq's work."""
+    app = make_celery(svc.settings)
+    queue = keys.celery_queue(svc.settings.model_name)
+    n = max(1, int(args.rate * args.duration))
+    before, start = cpu_seconds(svc.pids["worker"]), time.time()
+    for i in range(n):
+        app.send_task(NOOP_TASK, args=[str(i)], queue=queue, priority=celery_priority(0))
+        delay = start + (i + 1) / args.rate - time.time()
+        if delay > 0:
+            time.sleep(delay)
+    r = redis.Redis.from_url(svc.settings.redis_url)
+    while any(r.llen(k) for k in r.scan_iter(f"{queue}*")) or r.hlen("unacked"):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    return (cpu_seconds(svc.pids["worker"]) - before) / n
+
+
 def redis_round_trip(r: redis.Redis, n: int = 500) -> float:
     """p50 seconds of one PING from this process on an idle stack."""
     times = []
@@ -353,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         lat = [latency_phase(svc, r, mode, args) for mode in MODES]
         print(f"relay: {args.streams} streams x {args.stream_tokens} tokens ...")
         relay = relay_phase(svc, r, args)
+        print(f"celery floor: {args.rate:g} no-op tasks/s for {args.duration:g} s ...")
+        floor_s = celery_floor(svc, args)
         r.close()
 
     names = ["api", "worker", "redis", "client"]
@@ -402,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nhttp-floor: GET /v1/models (client + HTTP + FastAPI, no Redis): p50 {ms(floor.e2e_p50_s)} ms")
     print(f"Redis round trip (PING from the load generator, idle stack): p50 {ms(rtt)} ms")
     print(
+        f"Celery floor: a task that does nothing, sent at {args.rate:g}/s to the same worker, costs it"
+        f" {ms(floor_s)} ms of CPU (a job costs the worker {ms(lat[0].cpu_s.get('worker', 0) / lat[0].requests)} ms)"
+    )
+    print(
         f"\nbackground: send -> 202 p50 {ms(bg.e2e_p50_s)} ms, send -> worker claim p50 {ms(bg.to_claim_p50_s)} ms"
         " (the task is enqueued with the job record before the 202 is written, so the difference is Celery's"
         f" delivery + claim minus the API's work after the submit: {ms(bg.to_claim_p50_s - bg.e2e_p50_s)} ms)"
@@ -424,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "config": vars(args),
             "redis_round_trip_s": rtt,
+            "celery_noop_task_worker_cpu_s": floor_s,
             "latency": [asdict(x) for x in lat],
             "relay": asdict(relay),
             "targets": verdicts,

@@ -5,7 +5,8 @@
 It imports `worker.celery_app` (the Celery app, the task, the signals) and swaps its `worker_init` handler, the one
 that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
 around `ZeroEngine`: each step emits one fixed token (" hello") for every running sequence and ends a sequence at
-its max_tokens. Everything but the forward pass is the product's code path. For the benchmark's breakdown it also
+its max_tokens. Everything but the forward pass is the product's code path. It also registers a task that does
+nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it also
 counts engine steps, tokens and the time spent in `Publisher.flush`, and keeps the totals in the Redis hash
 `bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
 """
@@ -21,7 +22,7 @@ from typing import Any
 import redis
 from celery import signals
 
-from bench.common import STATS_KEY
+from bench.common import NOOP_TASK, STATS_KEY
 from shared.settings import Settings
 from worker import celery_app as product
 from worker.engine import Finish, Output, Sequence
@@ -31,6 +32,11 @@ from worker.runner import Runner
 
 app = product.app  # what `celery -A bench.zero_worker` looks for
 TOKEN_TEXT = " hello"
+
+
+@app.task(name=NOOP_TASK)
+def noop(_job_id: str) -> None:
+    """A task that does nothing, on the same app, queue and pool as the product's: what Celery itself costs."""
 
 
 class Stats:
