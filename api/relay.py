@@ -58,6 +58,10 @@ class Channel:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
+def _command(*args: str) -> bytes:
+    return hiredis.pack_command(args)  # type: ignore[arg-type]  # the stub types it as a 1-tuple
+
+
 class Subscriber:
     """The pub/sub connection, spoken to directly: hiredis parses every reply of a socket read in one call.
 
@@ -66,7 +70,7 @@ class Subscriber:
     """
 
     def __init__(self, url: str, on_message: Callable[[str, str], None]):
-        self.options = parse_url(url)
+        self.options: dict[str, Any] = dict(parse_url(url))
         self.on_message = on_message
         # Redis confirms SUBSCRIBEs in the order they were sent, so each confirmation runs the oldest callback
         # waiting on its channel.
@@ -81,15 +85,15 @@ class Subscriber:
             self._task = asyncio.create_task(self._run())
         elif self._writer is not None:  # else the connection being made subscribes everything wanted
             self._confirms.setdefault(channel, deque()).append(confirmed)
-            self._writer.write(hiredis.pack_command(("SUBSCRIBE", channel)))
+            self._writer.write(_command("SUBSCRIBE", channel))
 
     def unsubscribe(self, channel: str) -> None:
         self._wanted.pop(channel, None)
         if self._writer is not None:
-            self._writer.write(hiredis.pack_command(("UNSUBSCRIBE", channel)))
+            self._writer.write(_command("UNSUBSCRIBE", channel))
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        o: dict[str, Any] = self.options
+        o = self.options
         if "path" in o:
             reader, writer = await asyncio.open_unix_connection(o["path"])
         else:
@@ -99,8 +103,8 @@ class Subscriber:
             if sock is not None:  # a peer that vanished without a reset is noticed
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if o.get("password"):
-            auth = ("AUTH", o["username"], o["password"]) if o.get("username") else ("AUTH", o["password"])
-            writer.write(hiredis.pack_command(auth))
+            user = (o["username"],) if o.get("username") else ()
+            writer.write(_command("AUTH", *user, o["password"]))
             parser = hiredis.Reader(encoding="utf-8")
             while (reply := parser.gets()) is False:
                 data = await reader.read(4096)
@@ -121,7 +125,7 @@ class Subscriber:
                 continue
             self._confirms = {c: deque([confirmed]) for c, confirmed in self._wanted.items()}
             for channel in self._wanted:
-                writer.write(hiredis.pack_command(("SUBSCRIBE", channel)))
+                writer.write(_command("SUBSCRIBE", channel))
             self._writer = writer
             try:
                 await self._read(reader)
@@ -136,6 +140,8 @@ class Subscriber:
         while data := await reader.read(1 << 16):
             parser.feed(data)
             while (reply := parser.gets()) is not False:
+                if isinstance(reply, hiredis.ReplyError):  # e.g. the server now wants AUTH: start afresh
+                    raise ConnectionError(f"Redis refused a pub/sub command: {reply}")
                 kind = reply[0]
                 if kind == "message":
                     self.on_message(reply[1], reply[2])

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from api.relay import Relay
 from shared import keys
+from shared.embedded_redis import EmbeddedRedis
 from shared.jobs import PUBLISH_EVENTS
 from shared.protocol import Event, EventKind
 from shared.settings import Settings
@@ -77,3 +78,28 @@ def test_late_and_resumed_streams_replay_the_log(settings: Settings, r: redis.Re
     full, resumed = asyncio.run(main())
     assert full == [1, 2, 3, 4, 5, 6]
     assert resumed == [3, 4, 5, 6]
+
+
+@pytest.mark.timeout(30)
+def test_a_password_protected_redis(tmp_path) -> None:
+    server = EmbeddedRedis(tmp_path, persist=False).start()
+    job = "chatcmpl-relay-auth"
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        r = redis.Redis.from_url(url)
+
+        async def main() -> list[int]:
+            client = aioredis.Redis.from_url(url, decode_responses=True)
+            relay = Relay(client, url)
+            stream = asyncio.create_task(collect(relay, job))
+            await until_subscribed(client, keys.live(job))
+            publish(r, job, 1, 2, last=2)
+            seqs = await stream
+            await client.aclose()
+            return seqs
+
+        assert asyncio.run(main()) == [1, 2]
+    finally:
+        server.stop()
