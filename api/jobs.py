@@ -51,7 +51,7 @@ class JobStore:
         return job, rank + 1
 
     async def get(self, job_id: str) -> Job:
-        h = await self.redis.hgetall(keys.job(job_id))
+        h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
         if not h:
             raise JobNotFound(job_id)
         return Job.from_redis(h)
@@ -60,7 +60,7 @@ class JobStore:
         """A completed job's result as the JSON the worker stored, else None: a finished non-streamed request is
         answered without parsing the record and its request."""
         status, result = await self.redis.hmget(keys.job(job_id), "status", "result")
-        return result if status == JobStatus.completed else None
+        return str(result) if status == JobStatus.completed else None
 
     async def cancel(self, job_id: str) -> None:
         done = Event(seq=1, event=EventKind.done).to_json()
@@ -82,7 +82,7 @@ class JobStore:
         await self.redis.delete(keys.job(job_id), keys.events(job_id))
 
     async def queue_position(self, job: Job) -> int | None:
-        rank = await self.redis.zrank(keys.waiting(job.model), job.id)
+        rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]
         return None if rank is None else rank + 1
 
     def _model_of(self, job_id: str) -> str:

@@ -204,7 +204,9 @@ class Relay:
             self._subscriber.unsubscribe(name)
 
     async def _log(self, job_id: str, after: int) -> list[Event]:
-        entries = await self.redis.xrange(keys.events(job_id), min=f"0-{after + 1}")
+        entries: list[tuple[str, dict[str, str]]] = await self.redis.xrange(  # type: ignore[assignment]
+            keys.events(job_id), min=f"0-{after + 1}"
+        )
         return [Event.from_json(fields["msg"]) for _, fields in entries]
 
     async def batches(self, job_id: str, after: int = 0) -> AsyncIterator[list[Event]]:

@@ -449,7 +449,7 @@ class Job(BaseModel):
 
     @classmethod
     def from_redis(cls, h: dict[str, str]) -> Job:
-        kind = h.get("kind", "chat")
+        kind: Literal["chat", "text"] = "text" if h.get("kind") == "text" else "chat"
         request_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
         return cls(
             id=h["id"],

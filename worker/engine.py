@@ -18,7 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,7 +86,7 @@ class Engine:
     ):
         """graph_batch: decode steps of up to this many sequences replay fixed-size buffers (CUDA graphs on CUDA;
         see graphs.py); 0 runs every step eagerly."""
-        config = model.config
+        config: Any = model.config
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.block_size = block_size

@@ -9,6 +9,7 @@ each writes its K/V into cache slots chosen by the block manager, and attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +62,13 @@ class PagedForward:
     def __init__(self, model: nn.Module, cache: KVCache):
         self.model = model
         self.cache = cache
-        inner = model.model
+        # Any: nn.Module's __getattr__ types every submodule as `Tensor | Module`, which no call or attribute passes.
+        inner: Any = model.model
         self.embed = inner.embed_tokens
         self.layers = inner.layers
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.lm_head: Any = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
@@ -104,7 +106,7 @@ class PagedForward:
         return self.lm_head(h).float()
 
     def _attention(
-        self, attn: nn.Module, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
+        self, attn: Any, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
     ) -> torch.Tensor:
         t = h.shape[0]
         q = attn.q_proj(h).view(t, -1, self.head_dim)

@@ -86,4 +86,4 @@ def load_model(settings: Settings) -> torch.nn.Module:
     path = ensure_model_dir(settings)
     device, dtype = pick_device(settings)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapper of `to` mistypes `self`

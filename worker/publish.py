@@ -63,7 +63,8 @@ class Publisher:
             # No MAXLEN on the log: a job's log is bounded by its tokens, and it expires with the job.
             # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS before every
             # execute, a second round trip per step; Redis caches the script by its hash either way.
-            event_keys, args = [], []
+            event_keys: list[str] = []
+            args: list[str | bytes] = []
             for job_id, event in writes.events:
                 event_keys += [keys.events(job_id), keys.live(job_id)]
                 args += [f"0-{event.seq}", event.to_json()]
@@ -74,7 +75,7 @@ class Publisher:
             pipe.expire(keys.events(job_id), self.ttl)
         now = str(time.time())
         for end in writes.ended:
-            fields: dict[str, str | bytes] = {
+            fields: dict[Any, str | bytes] = {
                 "status": end.status.value,
                 "finished": now,
                 "completion_tokens": str(end.completion_tokens),
