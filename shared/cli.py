@@ -96,7 +96,10 @@ def up(settings: Settings, with_flower: bool = True) -> int:
         print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
     procs: list[subprocess.Popen] = []
 
-    def interrupt(*_: object) -> None:
+    signalled: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        signalled.append(signum)
         raise KeyboardInterrupt
 
     # Installed explicitly: a shell that starts `chatq up` in the background leaves SIGINT ignored.
@@ -119,6 +122,15 @@ def up(settings: Settings, with_flower: bool = True) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        if signalled[:1] == [signal.SIGINT]:
+            # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
+            # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
+            try:
+                deadline = time.time() + 5
+                while time.time() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
+            except KeyboardInterrupt:
+                pass
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
