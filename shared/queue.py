@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import base64
 import uuid
-from typing import Any
 
 import orjson
 from celery import Celery
-from kombu.transport import redis as kombu_redis
 
 from shared import keys
 from shared.settings import Settings
@@ -25,32 +23,11 @@ def celery_priority(priority: int) -> int:
     return min(max(priority + 4, 0), PRIORITY_LANES - 1)
 
 
-class _Channel(kombu_redis.Channel):
-    """kombu's Redis channel, building one client per connection pool instead of one per call.
-
-    kombu makes a new redis.Redis for each delivery's bookkeeping and each ack, and redis-py spends about 160 us
-    building one (its table of reply callbacks): a tenth of a worker's CPU per job. A client is only a handle on
-    the pool and safe to share between threads.
-    """
-
-    _client: Any = None
-
-    def _create_client(self, asynchronous: bool = False) -> Any:
-        if asynchronous:
-            return super()._create_client(asynchronous=True)
-        if self._client is None or self._client.connection_pool is not self.pool:
-            self._client = super()._create_client()
-        return self._client
-
-
-class RedisTransport(kombu_redis.Transport):
-    Channel = _Channel
-
-
 def make_celery(settings: Settings) -> Celery:
     app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
-        broker_transport=f"{__name__}:RedisTransport",
+        # Resolved only when a process connects to the broker (workers, Flower): the API never loads it.
+        broker_transport="shared.broker:RedisTransport",
         # Job state lives in chatq's own job record; Celery's results would only duplicate it.
         task_ignore_result=True,
         result_backend=None,
