@@ -203,11 +203,8 @@ def create_app(settings: Settings) -> FastAPI:
         done = await wait_done(job.id, request)
         if done is None:
             return JSONResponse(error_body("The client disconnected.", "APIError", 499), status_code=499)
-        if done.data is not None:
+        if done.data is not None:  # completed: the answer came with `done`
             return Response(orjson.dumps(done.data), media_type="application/json")
-        result = await store.result_json(job.id)
-        if result is not None:
-            return Response(result, media_type="application/json")
         return await finished_response(await store.get(job.id))
 
     @app.post("/v1/chat/completions")

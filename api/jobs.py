@@ -56,12 +56,6 @@ class JobStore:
             raise JobNotFound(job_id)
         return Job.from_redis(h)
 
-    async def result_json(self, job_id: str) -> str | None:
-        """A completed job's result as the JSON the worker stored, else None: a finished non-streamed request is
-        answered without parsing the record and its request."""
-        status, result = await self.redis.hmget(keys.job(job_id), "status", "result")
-        return str(result) if status == JobStatus.completed else None
-
     async def cancel(self, job_id: str) -> None:
         done = Event(seq=1, event=EventKind.done).to_json()
         status = await self._cancel(

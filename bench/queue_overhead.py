@@ -332,9 +332,9 @@ def celery_floor(svc: Services, args: argparse.Namespace) -> float:
         delay = start + (i + 1) / args.rate - time.time()
         if delay > 0:
             time.sleep(delay)
-    r = redis.Redis.from_url(svc.settings.redis_url)
-    while any(r.llen(k) for k in r.scan_iter(f"{queue}*")) or r.hlen("unacked"):
-        time.sleep(0.05)
+    with redis.Redis.from_url(svc.settings.redis_url) as r:  # until every task ran and was acknowledged
+        while any(r.llen(k) for k in r.scan_iter(f"{queue}*")) or r.hlen("unacked"):
+            time.sleep(0.05)
     time.sleep(0.3)
     return (cpu_seconds(svc.pids["worker"]) - before) / n
 

@@ -90,12 +90,12 @@ class Engine:
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.block_size = block_size
-        num_blocks = max(kv_tokens // block_size, -(-max_model_len // block_size))
+        max_blocks = -(-max_model_len // block_size)  # one full-length sequence
+        num_blocks = max(kv_tokens // block_size, max_blocks)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
-        max_blocks = -(-max_model_len // block_size)
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             try:
