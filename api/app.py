@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.metadata
 import json
 import time
@@ -92,8 +93,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # What the imports built lives as long as the process. Frozen, it is out of the cyclic collector's sight: a
+        # full collection no longer walks its 80,000 objects, a 50 ms stall of every request and stream in flight.
+        gc.freeze()
         yield
         await client.aclose()
+        gc.unfreeze()
 
     app = FastAPI(title="chatq", lifespan=lifespan)
     errors.install(app)

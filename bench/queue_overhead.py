@@ -20,8 +20,8 @@ token (" hello") per sequence per step instantly, so whatever time a request tak
    0.2 ms that floor alone is a few milliseconds.
 2. relay: --streams concurrent streams of --stream-tokens instant tokens each; relayed chunks/s = SSE data frames
    received by all clients / wall time, beside the events the worker published per second and its engine loop
-   (steps/s, tokens per step, time per step and the part of it in Publisher.flush), from bench/zero_worker.py's
-   counters.
+   (steps/s, tokens per step, time per step and the part of it in Publisher.flush) and its full garbage collections
+   (how many, and how long they stopped it in all), from bench/zero_worker.py's counters.
 Every phase prints the CPU each process used, as % of one core (a process near 100% is the bottleneck; on a shared
 machine, low numbers everywhere with high latency mean the processes were waiting for a CPU) and as CPU time per
 request or relayed frame, which bounds the rate one core can sustain whatever else runs on the machine.
@@ -107,6 +107,8 @@ class RelayRow:
     tokens_per_step: float
     step_ms: float  # engine loop wall time per step
     flush_ms: float  # of which Publisher.flush (serialising events, one Redis pipeline)
+    gc_full: int  # the worker's full garbage collections during the phase
+    gc_full_ms: float  # and the time they stopped it for, in all
     cpu: dict[str, float] = field(default_factory=dict)  # % of one core
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds
     error_kinds: list[str] = field(default_factory=list)
@@ -303,6 +305,8 @@ def relay_phase(svc: Services, r: redis.Redis, args: argparse.Namespace) -> Rela
         d.get("tokens", 0) / steps,
         1000 * wall / steps,
         1000 * d.get("flush_s", 0) / steps,
+        int(d.get("gc_full", 0)),
+        1000 * d.get("gc_full_s", 0),
         cpu,
         cpu_s,
         errors[:5],
@@ -397,11 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         table(
             ["streams", "tokens", "incomplete", "frames", "wall s", "relayed frames/s", "published/s"]
-            + ["steps/s", "tokens/step", "ms/step", "flush ms/step"],
+            + ["steps/s", "tokens/step", "ms/step", "flush ms/step", "worker full GCs", "GC ms"],
             [
                 [relay.streams, relay.tokens_per_stream, relay.incomplete, relay.frames, f"{relay.wall_s:.2f}"]
                 + [f"{relay.frames_per_s:.0f}", f"{relay.published_per_s:.0f}", f"{relay.steps_per_s:.1f}"]
                 + [f"{relay.tokens_per_step:.1f}", f"{relay.step_ms:.2f}", f"{relay.flush_ms:.2f}"]
+                + [relay.gc_full, f"{relay.gc_full_ms:.0f}"]
             ],
         )
     )

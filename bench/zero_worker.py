@@ -7,13 +7,15 @@ that loads the model, for one that builds the real `Runner` (detokenize, parse, 
 around `ZeroEngine`: each step emits one fixed token (" hello") for every running sequence and ends a sequence at
 its max_tokens. Everything but the forward pass is the product's code path. It also registers a task that does
 nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it also
-counts engine steps, tokens and the time spent in `Publisher.flush`, and keeps the totals in the Redis hash
+counts engine steps, tokens, the time spent in `Publisher.flush` and full garbage collections, and keeps the totals in
+the Redis hash
 `bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import threading
 import time
@@ -40,11 +42,31 @@ def noop(_job_id: str) -> None:
 
 
 class Stats:
-    """Counters of the engine loop, shared by the engine and the publisher wrapper."""
+    """Counters of the engine loop, shared by the engine and the publisher wrapper, and of the worker's full garbage
+    collections (every thread stands still during one)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, float] = {"steps": 0, "tokens": 0, "flushes": 0, "events": 0, "flush_s": 0.0}
+        # Reentrant: a collection, and so its callback, can start inside any allocation, one made under the lock too.
+        self._lock = threading.RLock()
+        self.values: dict[str, float] = {
+            "steps": 0,
+            "tokens": 0,
+            "flushes": 0,
+            "events": 0,
+            "flush_s": 0.0,
+            "gc_full": 0,
+            "gc_full_s": 0.0,
+        }
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.add(gc_full=1, gc_full_s=time.perf_counter() - self._gc_started)
 
     def add(self, **deltas: float) -> None:
         with self._lock:

@@ -32,12 +32,10 @@ class TextStream:
         self.stops = stops
         self.include_stop = include_stop
         self.held = ""
-        self.text = ""  # everything emitted so far
 
     def add(self, token: int, check_stops: bool = True) -> Piece:
         new = self.decoder.step(self.tokenizer, token) or ""
         if not self.stops or not check_stops and not self.held:
-            self.text += new
             return Piece(new)
         pending = self.held + new
         # A stop string may straddle what was held back and the new text, so search the held part too.
@@ -50,17 +48,14 @@ class TextStream:
             i, stop = best
             out = pending[: i + len(stop)] if self.include_stop else pending[:i]
             self.held = ""
-            self.text += out
             return Piece(out, stop)
         keep = self._partial_stop_len(pending)
         out, self.held = pending[: len(pending) - keep], pending[len(pending) - keep :]
-        self.text += out
         return Piece(out)
 
     def flush(self) -> str:
         """Generation ended without a stop string: what was held back is ordinary text."""
         out, self.held = self.held, ""
-        self.text += out
         return out
 
     def _partial_stop_len(self, text: str) -> int:

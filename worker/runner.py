@@ -25,7 +25,7 @@ from worker.chunks import TokenInfo
 from worker.detokenize import TextStream
 from worker.engine import Engine, Finish, Output, Sequence
 from worker.grammar import GrammarCompiler, GrammarState
-from worker.parse import Delta, Parser, combine
+from worker.parse import Delta, Message, Parser
 from worker.plan import plan
 from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 
@@ -41,7 +41,7 @@ class Choice:
     seq: Sequence
     text: TextStream
     parser: Parser
-    deltas: list[Delta] = field(default_factory=list)
+    message: Message = field(default_factory=Message)
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
     sent_chars: int = 0  # characters streamed so far (legacy text_offset)
@@ -144,7 +144,7 @@ class JobRun:
                 events.append(self._event(EventKind.chunk, first))
             if self.echo:
                 echo = Delta(content=self.echo)
-                c.deltas.append(echo)
+                c.message.add(echo)
                 c.sent_chars += len(self.echo)
                 events.append(
                     self._event(EventKind.chunk, self.chunks.chunk(c.index, self.chunks.delta(c.index, echo)))
@@ -186,12 +186,12 @@ class JobRun:
             if not isinstance(choice.stop_reason, str):  # no stop string: what was held back is plain text
                 delta = _merge(delta, choice.parser.feed(choice.text.flush()))
             delta = _merge(delta, choice.parser.finish())
-            made_calls = any(d.tool_calls for d in choice.deltas) or bool(delta.tool_calls)
+            made_calls = bool(choice.message.tool_calls or delta.tool_calls)
             if choice.finish_reason == "stop" and made_calls and not self.plan.named_tool:
                 choice.finish_reason = "tool_calls"
         if not self.include_reasoning:
             delta.reasoning = ""
-        choice.deltas.append(delta)
+        choice.message.add(delta)
         events = []
         if delta:
             events.append(
@@ -233,7 +233,7 @@ class JobRun:
             return events, JobEnd(self.job.id, JobStatus.failed, completion_tokens, error=body["error"])
         final = []
         for c in self.choices:
-            content, reasoning, tool_calls = combine(c.deltas)
+            content, reasoning, tool_calls = c.message.result()
             if self.plan.named_tool:
                 content = ""  # vLLM's shape: the call is the answer, content is empty rather than null
             logprobs = None
