@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -37,12 +39,14 @@ def prompts():
 def reference(model, prompts):
     """Greedy continuations from transformers' own forward with its own cache, EOS not treated specially."""
     out = []
+    # transformers renamed forward's past_key_values to cache; the old name goes in 5.40.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         for ids in prompts:
             res = model(torch.tensor([ids]), use_cache=True)
             new = [int(res.logits[0, -1].argmax())]
             for _ in range(NEW - 1):
-                res = model(torch.tensor([new[-1:]]), past_key_values=res.past_key_values, use_cache=True)
+                res = model(torch.tensor([new[-1:]]), **{cache_kw: res.past_key_values}, use_cache=True)
                 new.append(int(res.logits[0, -1].argmax()))
             out.append(new)
     return out
