@@ -109,14 +109,24 @@ def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [B, V] float32, modified in place. Returns one token id and its logprobs (if asked) per row."""
+    """logits: [B, V] float32, modified in place, unless a row's parameters or grammar fail: then they are left as
+    they came. Returns one token id and its logprobs (if asked) per row."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[want].log_softmax(dim=-1) if want else None
-    _shape(logits, rows)
-    if any(r.grammar is not None for r in rows):
-        from worker.grammar import apply_masks
+    shaping = [i for i, r in enumerate(rows) if r.params.shapes_logits]
+    unshaped = logits[shaping] if shaping else None  # a copy
+    try:
+        _shape(logits, rows)
+        if any(r.grammar is not None for r in rows):
+            from worker.grammar import apply_masks
 
-        apply_masks(logits, [r.grammar for r in rows])
+            apply_masks(logits, [r.grammar for r in rows])
+    except Exception:
+        # One row failed: the caller samples the rows again one by one, and a bias or penalty already added to the
+        # rows before it would then count twice.
+        if unshaped is not None:
+            logits[shaping] = unshaped
+        raise
     if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1)
     else:

@@ -103,6 +103,16 @@ def test_cancel_takes_effect_at_the_next_step(model, prompts):
     assert engine.blocks.available() == engine.blocks.num_blocks
 
 
+def test_a_sequence_whose_sampling_fails_ends_alone(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    bad = Sequence("bad", prompts[1], SamplingParams(max_tokens=NEW, temperature=0, logit_bias={10**6: 1.0}))
+    done = run(engine, [greedy(0, prompts[0]), bad, greedy(2, prompts[2])])
+    assert done["bad"].finish is Finish.error and done["bad"].error.startswith("sampling failed")
+    assert done["bad"].output_ids == []
+    assert done["0"].output_ids == reference[0] and done["2"].output_ids == reference[2]
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
     def sampled(batch_with: list[list[int]]) -> list[int]:
         engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)

@@ -1,14 +1,21 @@
-"""One job's events as the worker builds them, fed by hand-made engine outputs (no model)."""
+"""A job's events as the worker builds them, fed by hand-made engine outputs (no model); and the engine loop
+running several jobs against a scripted engine and a real Redis."""
 
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
+import redis
 from tokenizers import Tokenizer
 
+from shared import keys
 from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
 from shared.settings import Settings
-from worker.engine import Finish, Output
-from worker.runner import Decoder, JobRun
+from worker.engine import Finish, Output, Sequence
+from worker.publish import Publisher
+from worker.runner import Decoder, JobRun, Runner
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +146,87 @@ def test_hermes_calls_from_auto_tool_choice(decoder):
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     _, none = run_text(decoder, text, settings, tools=tools, tool_choice="none")
     assert none["choices"][0]["message"]["content"] == text and none["choices"][0]["finish_reason"] == "stop"
+
+
+class ScriptedEngine:
+    """The engine's surface with no model: one fixed token per running sequence per step, up to max_tokens."""
+
+    device = "cpu"
+
+    def __init__(self, token: int):
+        self.token = token
+        self.wakeup = threading.Event()
+        self.running: list[Sequence] = []
+        self.cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            self.running.append(seq)
+        self.wakeup.set()
+
+    def cancel(self, seq_id: str) -> None:
+        with self._lock:
+            self.cancelled.add(seq_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.running)
+
+    def step(self) -> list[Output]:
+        with self._lock:
+            outputs = []
+            for seq in list(self.running):
+                if seq.id in self.cancelled:
+                    self.running.remove(seq)
+                    outputs.append(Output(seq, None, Finish.cancelled))
+                    continue
+                seq.output_ids.append(self.token)
+                finish = Finish.length if len(seq.output_ids) >= seq.params.max_tokens else None
+                if finish is not None:
+                    self.running.remove(seq)
+                outputs.append(Output(seq, self.token, finish))
+            return outputs
+
+
+def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monkeypatch):
+    token = ids(decoder, " hello")[0]
+    engine = ScriptedEngine(token)
+    runner = Runner(
+        lambda: engine,
+        decoder.tokenizer,
+        [2],
+        Publisher(redis.Redis.from_url(settings.redis_url), settings),
+        100,
+        settings=settings,
+    )
+    good, bad = "chatcmpl-runner-good", "chatcmpl-runner-bad"
+    handle = JobRun.on_output
+
+    def on_output(self: JobRun, choice, out):  # a parser bug, hit by one job's third token
+        if self.job.id == bad and len(choice.seq.output_ids) == 3:
+            raise ValueError("parser bug")
+        return handle(self, choice, out)
+
+    monkeypatch.setattr(JobRun, "on_output", on_output)
+    runner.start()
+    try:
+        runs = [
+            runner.submit(job(stream=True, max_tokens=6).model_copy(update={"id": job_id})) for job_id in (good, bad)
+        ]
+        assert all(run.done.wait(30) for run in runs)
+    finally:
+        runner.stop()
+
+    def events(job_id: str) -> list[dict]:
+        return [json.loads(f["msg"]) for _, f in r.xrange(keys.events(job_id))]
+
+    good_events = events(good)
+    text = "".join(e["data"]["choices"][0]["delta"].get("content", "") for e in good_events if e["event"] == "chunk")
+    assert text == " hello" * 6
+    assert good_events[-1]["event"] == "done" and r.hget(keys.job(good), "status") == "completed"
+    bad_events = events(bad)
+    assert [e["event"] for e in bad_events[-2:]] == ["error", "done"]
+    assert bad_events[-2]["data"]["error"]["message"] == "output processing failed: parser bug"
+    assert r.hget(keys.job(bad), "status") == "failed"
+    assert f"{bad}/0" in engine.cancelled  # its sequence stopped generating

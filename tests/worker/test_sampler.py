@@ -63,6 +63,19 @@ def test_rows_keep_their_own_parameters_in_one_batch():
     assert sample(logits, rows)[0] == [1, 7, 1]
 
 
+def test_a_row_that_fails_leaves_every_row_as_it_came():
+    logits = torch.tensor([BASE, BASE])
+    rows = [
+        Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={1: -0.06}), None, [], []),
+        Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={10**6: 1.0}), None, [], []),  # no such token
+    ]
+    with pytest.raises(IndexError):
+        sample(logits, rows)
+    assert torch.equal(logits, torch.tensor([BASE, BASE]))
+    # Sampled again on its own, as the engine does then, the first row is biased once: 5 - 0.06 still beats 4.9.
+    assert sample(logits[:1], rows[:1])[0] == [1]
+
+
 def test_seeded_rows_repeat():
     def draw(seed: int) -> list[int]:
         gen = torch.Generator().manual_seed(seed)
