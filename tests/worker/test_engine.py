@@ -39,14 +39,14 @@ def prompts():
 def reference(model, prompts):
     """Greedy continuations from transformers' own forward with its own cache, EOS not treated specially."""
     out = []
-    # transformers renamed forward's past_key_values to cache; the old name goes in 5.40.
+    # transformers renamed forward's and its output's past_key_values to cache; the old name goes in 5.40.
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         for ids in prompts:
             res = model(torch.tensor([ids]), use_cache=True)
             new = [int(res.logits[0, -1].argmax())]
             for _ in range(NEW - 1):
-                res = model(torch.tensor([new[-1:]]), **{cache_kw: res.past_key_values}, use_cache=True)
+                res = model(torch.tensor([new[-1:]]), **{cache_kw: getattr(res, cache_kw)}, use_cache=True)
                 new.append(int(res.logits[0, -1].argmax()))
             out.append(new)
     return out
@@ -92,6 +92,25 @@ def test_late_joiners_do_not_change_earlier_sequences(model, prompts, reference)
             if out.finish:
                 done[out.seq.id] = out.seq.output_ids
     assert [done[str(i)] for i in range(len(prompts))] == reference
+
+
+def test_a_long_prompt_joining_does_not_stall_running_streams(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=16, max_model_len=8192)
+    engine.add(greedy(0, prompts[0]))
+    while not engine.running or len(engine.running[0].output_ids) < 2:
+        engine.step()
+    long_prompt = (prompts[1] * 8)[:200][::-1]  # reversed: no prompt block in common with the running one
+    engine.add(Sequence("long", long_prompt, SamplingParams(max_tokens=2, temperature=0)))
+    steps_to_first = 0
+    while True:
+        steps_to_first += 1
+        outputs = {o.seq.id: o for o in engine.step()}
+        assert outputs["0"].token is not None  # the running stream got its token this step too
+        if "long" in outputs:
+            break
+    assert steps_to_first == 200 // 16 + 1  # the prompt went in 16 tokens a step
+    done = run(engine, [])
+    assert done["0"].output_ids == reference[0]
 
 
 def test_cancel_takes_effect_at_the_next_step(model, prompts):
