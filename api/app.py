@@ -16,7 +16,7 @@ import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api import errors
 from api.errors import BadRequest, ModelNotFound, ServiceUnavailable
@@ -49,6 +49,15 @@ class EventStream(EventSourceResponse):
             await send(message)
         else:
             await super()._send_with_timeout(send, message)
+
+
+class KeepAlive(ServerSentEvent):
+    """The keep-alive of a quiet stream: one comment line and no blank line after it. A blank line ends an event, and
+    once a stream has carried an `id:` (every chatq stream does, for resuming) the openai SDK turns an event with no
+    data into a crash in json.loads."""
+
+    def encode(self) -> bytes:
+        return b": keep-alive\n"
 
 
 class Model:
@@ -126,7 +135,12 @@ def create_app(settings: Settings) -> FastAPI:
                 if cancel_on_disconnect and not finished:
                     cancel_later(job_id)
 
-        return EventStream(frames(), ping=15, headers={"X-Accel-Buffering": "no"})
+        return EventStream(
+            frames(),
+            ping=settings.sse_keepalive,
+            ping_message_factory=KeepAlive,
+            headers={"X-Accel-Buffering": "no"},
+        )
 
     async def wait_done(job_id: str, request: Request) -> Event | None:
         """The job's `done` event once it ended; None, with the job cancelled, if the client disconnected first."""

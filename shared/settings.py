@@ -26,6 +26,8 @@ class Settings(BaseSettings):
 
     # Seconds a finished job's record and its event log stay readable.
     result_ttl: int = 3600
+    # Seconds between keep-alive comments on an SSE stream, so proxies keep a quiet stream open (0: none).
+    sse_keepalive: float = 15.0
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
     worker_concurrency: int = 64

@@ -37,7 +37,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 
 @pytest.fixture(scope="session")
 def settings(redis_server: EmbeddedRedis) -> Settings:
-    return Settings(redis_url=redis_server.url, api_port=free_port(), worker_concurrency=32)
+    # Keep-alives four times a second: the streaming tests then read streams with keep-alives among their events.
+    return Settings(redis_url=redis_server.url, api_port=free_port(), worker_concurrency=32, sse_keepalive=0.25)
 
 
 def _env(settings: Settings) -> dict[str, str]:
@@ -46,6 +47,7 @@ def _env(settings: Settings) -> dict[str, str]:
         CHATQ_REDIS_URL=settings.redis_url,
         CHATQ_API_PORT=str(settings.api_port),
         CHATQ_WORKER_CONCURRENCY=str(settings.worker_concurrency),
+        CHATQ_SSE_KEEPALIVE=str(settings.sse_keepalive),
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -99,3 +99,32 @@ def test_stop_string_is_not_in_the_text(client: openai.OpenAI, model_name):
 def test_models_lists_the_default_model(client: openai.OpenAI, model_name):
     models = client.models.list().data
     assert [m.id for m in models] == [model_name]
+
+
+def test_a_stream_with_keep_alives_among_its_events_reads_cleanly(client: openai.OpenAI, http, model_name, settings):
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    # Slower than the keep-alive interval, so keep-alives come between events that carry ids.
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = list(resp.iter_lines())
+    first_id = next(i for i, line in enumerate(lines) if line.startswith("id:"))
+    keep_alives = [line for line in lines[first_id:] if line.startswith(":")]
+    assert keep_alives, f"no keep-alive within the stream (one every {settings.sse_keepalive} s)"
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=body["messages"],
+            max_tokens=48,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 48
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
