@@ -109,8 +109,10 @@ def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [B, V] float32, modified in place, unless a row's parameters or grammar fail: then they are left as
-    they came. Returns one token id and its logprobs (if asked) per row."""
+    """logits: [B, V] float32, modified in place. Returns one token id and its logprobs (if asked) per row.
+
+    If a row's parameters or grammar fail, no bias or penalty stays added to any row (a grammar's mask may stay, and
+    masking again changes nothing), so the rows can be sampled again."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[want].log_softmax(dim=-1) if want else None
     shaping = [i for i, r in enumerate(rows) if r.params.shapes_logits]
