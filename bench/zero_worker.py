@@ -6,10 +6,9 @@ It imports `worker.celery_app` (the Celery app, the task, the signals) and swaps
 that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
 around `ZeroEngine`: each step emits one fixed token (" hello") for every running sequence and ends a sequence at
 its max_tokens. Everything but the forward pass is the product's code path. It also registers a task that does
-nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it also
-counts engine steps, tokens, the time spent in `Publisher.flush` and full garbage collections, and keeps the totals in
-the Redis hash
-`bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
+nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it also counts engine steps,
+tokens, the time spent in `Publisher.flush` and the worker's full garbage collections, and keeps the totals in the
+Redis hash `bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
 """
 
 from __future__ import annotations
