@@ -4,11 +4,11 @@
 
 It imports `worker.celery_app` (the Celery app, the task, the signals) and swaps its `worker_init` handler, the one
 that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
-around `ZeroEngine`: each step emits one fixed token (" hello") for every running sequence and ends a sequence at
-its max_tokens. Everything but the forward pass is the product's code path. It also registers a task that does
-nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it also counts engine steps,
-tokens, the time spent in `Publisher.flush` and the worker's full garbage collections, and keeps the totals in the
-Redis hash `bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
+around `ZeroEngine` (bench/zero_engine.py): each step emits one fixed token (" hello") for every running sequence
+and ends a sequence at its max_tokens. Everything but the forward pass is the product's code path. It also
+registers a task that does nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it
+also counts engine steps, tokens, the time spent in `Publisher.flush` and the worker's full garbage collections, and
+keeps the totals in the Redis hash `bench.common.STATS_KEY` (rewritten every 0.2 s, with the time they were taken).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import redis
 from celery import signals
 
 from bench.common import NOOP_TASK, STATS_KEY
+from bench.zero_engine import ZeroEngine
 from shared.settings import Settings
 from worker import celery_app as product
-from worker.engine import Finish, Output, Sequence
+from worker.engine import Output
 from worker.publish import Publisher, StepWrites
 from worker.render import Renderer
 from worker.runner import Runner
@@ -98,53 +99,15 @@ class TimedPublisher(Publisher):
             self.stats.add(flushes=1, events=len(writes.events), flush_s=time.perf_counter() - start)
 
 
-class ZeroEngine:
-    """The surface of worker.engine.Engine (add / step / cancel / has_work / wakeup) with no model behind it."""
-
-    device = "none (zero-cost test double)"
+class CountedZeroEngine(ZeroEngine):
+    """ZeroEngine, counting its steps and tokens."""
 
     def __init__(self, token_id: int, stats: Stats):
-        self.token_id = token_id
+        super().__init__(token_id)
         self.stats = stats
-        self.wakeup = threading.Event()
-        self.running: list[Sequence] = []
-        self._lock = threading.Lock()
-        self._inbox: list[Sequence] = []
-        self._cancels: set[str] = set()
-
-    def add(self, seq: Sequence) -> None:
-        with self._lock:
-            self._inbox.append(seq)
-        self.wakeup.set()
-
-    def cancel(self, seq_id: str) -> None:
-        with self._lock:
-            self._cancels.add(seq_id)
-        self.wakeup.set()
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self.running or self._inbox or self._cancels)
 
     def step(self) -> list[Output]:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, set()
-        self.running.extend(inbox)
-        outputs = []
-        kept = []
-        for seq in self.running:
-            if seq.id in cancels:
-                seq.finish = Finish.cancelled
-                outputs.append(Output(seq=seq, token=None, finish=Finish.cancelled))
-                continue
-            seq.output_ids.append(self.token_id)
-            finish = Finish.length if len(seq.output_ids) >= seq.params.max_tokens else None
-            seq.finish = finish
-            outputs.append(Output(seq=seq, token=self.token_id, finish=finish))
-            if finish is None:
-                kept.append(seq)
-        self.running = kept
+        outputs = super().step()
         self.stats.add(steps=1, tokens=sum(o.token is not None for o in outputs))
         return outputs
 
@@ -156,7 +119,7 @@ def build_zero_runner(settings: Settings, client: redis.Redis, stats: Stats) -> 
         raise RuntimeError(f"{TOKEN_TEXT!r} is not one token in this tokenizer: {ids}")
     config = json.loads((settings.model_dir / "config.json").read_text())
     max_model_len = settings.max_model_len or int(config.get("max_position_embeddings", 2048))
-    engine = ZeroEngine(ids[0], stats)
+    engine = CountedZeroEngine(ids[0], stats)
     publisher = TimedPublisher(client, settings, stats)
     return Runner(
         lambda: engine,

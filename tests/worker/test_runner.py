@@ -1,19 +1,19 @@
 """A job's events as the worker builds them, fed by hand-made engine outputs (no model); and the engine loop
-running several jobs against a scripted engine and a real Redis."""
+running several jobs against a zero-cost engine and a real Redis."""
 
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import redis
 from tokenizers import Tokenizer
 
+from bench.zero_engine import ZeroEngine
 from shared import keys
 from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
 from shared.settings import Settings
-from worker.engine import Finish, Output, Sequence
+from worker.engine import Finish, Output
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
 
@@ -148,50 +148,9 @@ def test_hermes_calls_from_auto_tool_choice(decoder):
     assert none["choices"][0]["message"]["content"] == text and none["choices"][0]["finish_reason"] == "stop"
 
 
-class ScriptedEngine:
-    """The engine's surface with no model: one fixed token per running sequence per step, up to max_tokens."""
-
-    device = "cpu"
-
-    def __init__(self, token: int):
-        self.token = token
-        self.wakeup = threading.Event()
-        self.running: list[Sequence] = []
-        self.cancelled: set[str] = set()
-        self._lock = threading.Lock()
-
-    def add(self, seq: Sequence) -> None:
-        with self._lock:
-            self.running.append(seq)
-        self.wakeup.set()
-
-    def cancel(self, seq_id: str) -> None:
-        with self._lock:
-            self.cancelled.add(seq_id)
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self.running)
-
-    def step(self) -> list[Output]:
-        with self._lock:
-            outputs = []
-            for seq in list(self.running):
-                if seq.id in self.cancelled:
-                    self.running.remove(seq)
-                    outputs.append(Output(seq, None, Finish.cancelled))
-                    continue
-                seq.output_ids.append(self.token)
-                finish = Finish.length if len(seq.output_ids) >= seq.params.max_tokens else None
-                if finish is not None:
-                    self.running.remove(seq)
-                outputs.append(Output(seq, self.token, finish))
-            return outputs
-
-
 def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monkeypatch):
     token = ids(decoder, " hello")[0]
-    engine = ScriptedEngine(token)
+    engine = ZeroEngine(token)
     runner = Runner(
         lambda: engine,
         decoder.tokenizer,
@@ -229,4 +188,4 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert [e["event"] for e in bad_events[-2:]] == ["error", "done"]
     assert bad_events[-2]["data"]["error"]["message"] == "output processing failed: parser bug"
     assert r.hget(keys.job(bad), "status") == "failed"
-    assert f"{bad}/0" in engine.cancelled  # its sequence stopped generating
+    assert runs[1].choices[0].seq.finish is Finish.cancelled  # its sequence stopped generating
