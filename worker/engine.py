@@ -3,9 +3,10 @@
 Continuous batching over a paged KV cache. Each step runs one forward pass holding one token of every running
 sequence plus prompt chunks of newcomers (at most `prefill_chunk` prompt tokens a step, so running streams keep
 flowing while a long prompt is processed). Cache blocks are taken as sequences grow; when none are left, the
-newest running sequence is preempted (its blocks freed, its tokens recomputed later), so memory, not a batch size,
-bounds how many sequences run, and a sequence that finds no room waits instead of failing. Full prompt blocks are
-shared between sequences whose prompts begin alike (blocks.py), so a common system prompt is computed once.
+newest running sequence is preempted (its blocks freed, its tokens recomputed once it is first in line again), so
+memory, not a batch size, bounds how many sequences run, and a sequence that finds no room waits instead of
+failing. Full prompt blocks are shared between sequences whose prompts begin alike (blocks.py), so a common system
+prompt is computed once.
 
 `add` and `cancel` may be called from any thread; `step` from one thread only.
 """
@@ -46,6 +47,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    arrival: int = -1  # its place in the engine's first-come order, set by the engine when it takes it in
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)
@@ -163,7 +165,8 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
         for seq in inbox:
-            heapq.heappush(self.waiting, (seq.priority, next(self._order), seq))
+            seq.arrival = next(self._order)
+            heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
         outputs = []
         if cancels:
             for seq in [s for s in self.running if s.id in cancels]:
@@ -184,7 +187,9 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        heapq.heappush(self.waiting, (seq.priority, next(self._order), seq))
+        # Back in its place, ahead of everything that came after it: a sequence pushed out by others must not also
+        # wait behind newer arrivals, or under steady load it could wait for ever.
+        heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """Picks (sequence, number of new tokens to feed) for this step, taking cache blocks as needed."""

@@ -69,11 +69,45 @@ def greedy(i: int, ids: list[int]) -> Sequence:
     return Sequence(str(i), ids, SamplingParams(max_tokens=NEW, temperature=0))
 
 
-@pytest.mark.parametrize(("kv_tokens", "chunk"), [(8192, 512), (8192, 7), (160, 64)])
-def test_batched_greedy_equals_generate(model, prompts, reference, kv_tokens, chunk):
-    # 160 cache tokens cannot hold five sequences at once: they wait or are preempted and recomputed.
-    engine = Engine(model, kv_tokens=kv_tokens, block_size=16, prefill_chunk=chunk, max_model_len=8192)
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_batched_greedy_equals_generate(model, prompts, reference, chunk):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=chunk, max_model_len=8192)
     done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts)])
+    assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
+    assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model, prompts, reference, monkeypatch):
+    # The pool is never smaller than one max_model_len sequence, so a small kv_tokens binds only with a small
+    # max_model_len. The prompts are 36 to 41 tokens and end 24 tokens later in 4 or 5 blocks, the first block
+    # (system prompt) shared: 9 blocks hold two sequences whole. Admission's reserve of a block per running
+    # sequence lets a third in; as the three grow, the newest is preempted with tokens already generated, which are
+    # recomputed once it is readmitted.
+    assert max(map(len, prompts)) + NEW <= 80
+    engine = Engine(model, kv_tokens=144, block_size=16, prefill_chunk=16, max_model_len=80)
+    assert engine.blocks.num_blocks == 9
+    preempted_after: list[int] = []  # output tokens each preempted sequence had, to be recomputed
+    preempt = engine._preempt
+
+    def counting_preempt(seq: Sequence) -> None:
+        preempted_after.append(len(seq.output_ids))
+        preempt(seq)
+
+    monkeypatch.setattr(engine, "_preempt", counting_preempt)
+    for i, ids in enumerate(prompts):
+        engine.add(greedy(i, ids))
+    done: dict[str, Sequence] = {}
+    most_running = 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.finish:
+                done[out.seq.id] = out.seq
+        most_running = max(most_running, len(engine.running))
+    assert most_running < len(prompts)
+    assert any(n > 0 for n in preempted_after)
+    # A preempted sequence goes back to its place in the queue, not behind later arrivals: first come, first done.
+    assert list(done) == [str(i) for i in range(len(prompts))]
     assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
     assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
     assert engine.blocks.available() == engine.blocks.num_blocks
