@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
 
 from shared import keys
-from shared.protocol import Event, EventKind
+from shared.protocol import Event, EventKind, error_body
 
 log = logging.getLogger(__name__)
 
@@ -216,24 +216,35 @@ class Relay:
         inbox = await self._open(channel)
         try:
             last = after
-            backlog = await self._log(job_id, last)
+            backlog, from_log = await self._log(job_id, last), True
             while True:
-                batch = []
+                batch, gap = [], False
                 for event in backlog:
-                    if event.seq != last + 1:
+                    if event.seq <= last:
                         continue
+                    if event.seq > last + 1:
+                        gap = True
+                        break
                     last = event.seq
                     batch.append(event)
                     if event.event is EventKind.done:
                         yield batch
                         return
+                if gap and from_log:
+                    # A job's log is written in order, so a gap in it stays: end the stream and say so, rather
+                    # than wait for an event that will never come or go on with a hole in the text.
+                    yield [*batch, *lost(last)]
+                    return
                 if batch:
                     yield batch
+                if gap:  # a message was missed: the log has it
+                    backlog, from_log = await self._log(job_id, last), True
+                    continue
                 raw = await inbox.take()
-                backlog = [] if RESYNC in raw else [Event.from_json(m) for m in raw]
-                # Ahead of what was sent (or the connection broke): something was missed, so read the log again.
-                if RESYNC in raw or backlog and backlog[0].seq > last + 1:
-                    backlog = await self._log(job_id, last)
+                if RESYNC in raw:  # the connection broke: what was published meanwhile is only in the log
+                    backlog, from_log = await self._log(job_id, last), True
+                else:
+                    backlog, from_log = [Event.from_json(m) for m in raw], False
         finally:
             self._close(channel, inbox)
 
@@ -241,3 +252,14 @@ class Relay:
         async for batch in self.batches(job_id, after):
             for event in batch:
                 yield event
+
+
+def lost(last: int) -> list[Event]:
+    """How a stream ends when the event after `last` never reached the log (a worker could not write it). Both
+    carry `last`'s number: a client that resumes from them meets the same gap, not a text with a hole in it."""
+    body = error_body(
+        "Part of this job's output was lost before it could be relayed; the job's record has its final state.",
+        "InternalServerError",
+        500,
+    )
+    return [Event(last, EventKind.error, body), Event(last, EventKind.done)]

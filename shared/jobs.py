@@ -63,3 +63,13 @@ for i = 1, #KEYS, 2 do
 end
 return written
 """
+
+# KEYS: job. ARGV: ttl in seconds (0: keep the record's expiry), then field/value pairs. How a worker writes a job's
+# record: one deleted meanwhile (DELETE of a running job) stays deleted, instead of coming back holding only the
+# fields written here, which no reader could make a job of.
+UPDATE_RECORD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+if ARGV[1] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""

@@ -23,11 +23,24 @@ import orjson
 import redis
 
 from shared import keys
-from shared.jobs import PUBLISH_EVENTS
+from shared.jobs import PUBLISH_EVENTS, UPDATE_RECORD
 from shared.protocol import Event, JobStatus
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
+# or a primary failing over. Anything else it refuses, such as a key of the wrong type, would never land, and
+# waiting for it would stall every job of the worker; such a step is logged and given up, and its streams end
+# with an error when the relay finds the gap.
+RETRIED = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
 
 
 @dataclass
@@ -70,12 +83,12 @@ class Publisher:
                 args += [f"0-{event.seq}", event.to_json()]
             pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
         for job_id, tokens in writes.progress.items():
-            pipe.hset(keys.job(job_id), "completion_tokens", tokens)
+            pipe.eval(UPDATE_RECORD, 1, keys.job(job_id), 0, "completion_tokens", tokens)
             # Refreshed while the job runs, so the log of a job whose worker vanished still expires.
             pipe.expire(keys.events(job_id), self.ttl)
         now = str(time.time())
         for end in writes.ended:
-            fields: dict[Any, str | bytes] = {
+            fields: dict[str, str | bytes] = {
                 "status": end.status.value,
                 "finished": now,
                 "completion_tokens": str(end.completion_tokens),
@@ -84,8 +97,8 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            pipe.hset(keys.job(end.job_id), mapping=fields)
-            for key in (keys.job(end.job_id), keys.events(end.job_id), keys.cancel(end.job_id)):
+            pipe.eval(UPDATE_RECORD, 1, keys.job(end.job_id), self.ttl, *(x for pair in fields.items() for x in pair))
+            for key in (keys.events(end.job_id), keys.cancel(end.job_id)):
                 pipe.expire(key, self.ttl)
         if running:
             # One MGET for all the flags: an EXISTS per job cost more than the step's events with hundreds running.
@@ -139,12 +152,12 @@ class Outbox:
             try:
                 cancelled = self.publisher.flush(writes, running)
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except RETRIED as e:
                 # Sent again until Redis takes it: the step's events are skipped where they were already written.
                 if self._closing.is_set():
-                    log.error("shutting down with Redis unreachable: a step's writes are lost (%s)", e)
+                    log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
                     break
-                log.warning("Redis unreachable (%s); writing the step again in %.1f s", e, delay)
+                log.warning("Redis cannot take a step (%s); writing it again in %.1f s", e, delay)
                 self._closing.wait(delay)
                 delay = min(2 * delay, 2.0)
             except Exception:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
+import time
 
 import httpx
 import openai
 import redis
 
 from shared import keys
+from shared.settings import Settings
 from tests.helpers import content_of, frames, stream, wait_for
 
 LONG = [{"role": "user", "content": "Count from 1 to 200, one number per line."}]
@@ -91,6 +92,25 @@ def test_cancel_stops_a_running_job(http: httpx.Client):
     assert fs[-1].data == "[DONE]"
 
 
+def test_a_job_deleted_while_running_stays_deleted(http: httpx.Client, r: redis.Redis):
+    job = submit(http, 2000, stop=[])
+    wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 3)
+    assert http.delete(f"/v1/chat/completions/{job['id']}").json()["deleted"] is True
+
+    # The worker sees the cancel flag at its next step and writes the job's end; none of it brings the record back.
+    def ended() -> bool:
+        last = r.xrevrange(keys.events(job["id"]), count=1)
+        return bool(last) and json.loads(last[0][1]["msg"])["event"] == "done"
+
+    deadline = time.time() + 10
+    while not ended():
+        assert time.time() < deadline, "the worker never ended the deleted job"
+        time.sleep(0.05)
+    assert not r.exists(keys.job(job["id"]))
+    for method, suffix in (("GET", ""), ("POST", "/cancel"), ("DELETE", "")):
+        assert http.request(method, f"/v1/chat/completions/{job['id']}{suffix}").status_code == 404
+
+
 def test_client_disconnect_cancels_a_streamed_job(http: httpx.Client):
     body = {"messages": LONG, "max_tokens": 2000, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -113,25 +133,31 @@ def test_disconnect_does_not_cancel_a_background_stream(http: httpx.Client):
     assert final["usage"]["completion_tokens"] == 30
 
 
-def test_queued_job_shows_its_position_and_can_be_cancelled(http: httpx.Client, r: redis.Redis, model_name):
-    # Jobs beyond what the worker takes at once wait in the queue with a position.
-    jobs = [submit(http, 40) for _ in range(40)]
-    positions = [http.get(f"/v1/chat/completions/{j['id']}").json() for j in jobs]
-    queued = [p for p in positions if p["status"] == "queued"]
-    assert queued, "some jobs should still be queued"
-    assert all(p["progress"]["queue_position"] >= 1 for p in queued)
-    last = jobs[-1]["id"]
-    if http.get(f"/v1/chat/completions/{last}").json()["status"] == "queued":
+def test_queued_job_shows_its_position_and_can_be_cancelled(
+    http: httpx.Client, r: redis.Redis, settings: Settings, model_name
+):
+    # Jobs that never end on their own hold every one of the worker's task threads, so whatever comes after them
+    # cannot start: it waits in the queue, with a position, until they are cancelled.
+    holders = [submit(http, 2000, ignore_eos=True) for _ in range(settings.worker_concurrency)]
+    try:
+        for h in holders:
+            wait_for(http, h["id"], lambda j: j["status"] == "in_progress")
+        jobs = [submit(http, 40) for _ in range(4)]
+        views = [http.get(f"/v1/chat/completions/{j['id']}").json() for j in jobs]
+        assert [v["status"] for v in views] == ["queued"] * len(jobs)
+        positions = [v["progress"]["queue_position"] for v in views]
+        assert positions[0] >= 1 and positions == list(range(positions[0], positions[0] + len(jobs)))
+        last = jobs[-1]["id"]
         view = http.post(f"/v1/chat/completions/{last}/cancel").json()
         assert view["status"] == "cancelled"
         assert r.zrank(keys.waiting(model_name), last) is None
-    threads = [
-        threading.Thread(
-            target=wait_for, args=(http, j["id"], lambda j: j["status"] in ("completed", "cancelled"), 300)
-        )
-        for j in jobs
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    finally:
+        for h in holders:
+            http.post(f"/v1/chat/completions/{h['id']}/cancel")
+    for j in jobs[:-1]:
+        done = wait_for(http, j["id"], lambda j: j["status"] in ("completed", "cancelled", "failed"), timeout=300)
+        assert done["status"] == "completed" and done["progress"]["completion_tokens"] == 40
+    for h in holders:  # the tests after this one get an idle worker
+        wait_for(http, h["id"], lambda j: j["status"] == "cancelled", timeout=60)
+    final = http.get(f"/v1/chat/completions/{last}").json()
+    assert final["status"] == "cancelled" and final["progress"]["completion_tokens"] == 0

@@ -27,8 +27,12 @@ def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
     r.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
 
+async def events(relay: Relay, job_id: str, after: int = 0) -> list[Event]:
+    return [e async for e in relay.events(job_id, after)]
+
+
 async def collect(relay: Relay, job_id: str, after: int = 0) -> list[int]:
-    return [e.seq async for e in relay.events(job_id, after)]
+    return [e.seq for e in await events(relay, job_id, after)]
 
 
 async def until_subscribed(r: aioredis.Redis, channel: str) -> None:
@@ -78,6 +82,28 @@ def test_late_and_resumed_streams_replay_the_log(settings: Settings, r: redis.Re
     full, resumed = asyncio.run(main())
     assert full == [1, 2, 3, 4, 5, 6]
     assert resumed == [3, 4, 5, 6]
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_missing_an_event_ends_with_an_error_instead_of_waiting(settings: Settings, r: redis.Redis) -> None:
+    job = "chatcmpl-relay-lost"
+
+    async def main() -> list[list[Event]]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        relay = Relay(client, settings.redis_url)
+        live = asyncio.create_task(events(relay, job))
+        await until_subscribed(client, keys.live(job))
+        publish(r, job, 1, 2, last=5)
+        publish(r, job, 4, 5, last=5)  # a step with event 3 never landed
+        out = [await live, await events(relay, job), await events(relay, job, after=2)]
+        await client.aclose()
+        return out
+
+    chunks = [(1, EventKind.chunk), (2, EventKind.chunk)]
+    # Followed live, read from the log afterwards, resumed at the gap.
+    for got, before in zip(asyncio.run(main()), [chunks, chunks, []], strict=True):
+        assert [(e.seq, e.event) for e in got] == [*before, (2, EventKind.error), (2, EventKind.done)]
+        assert got[-2].data is not None and got[-2].data["error"]["code"] == 500
 
 
 @pytest.mark.timeout(30)

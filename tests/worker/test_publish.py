@@ -43,6 +43,15 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
         assert 0 < r.ttl(key) <= 30
 
 
+def test_a_job_deleted_while_running_stays_deleted(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    job_id = "chatcmpl-publish-deleted"
+    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings)
+    publisher.flush(StepWrites(progress={job_id: 3}), running=[])
+    publisher.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.cancelled, 4)]), running=[])
+    assert not r.exists(keys.job(job_id))
+
+
 @pytest.mark.parametrize("threaded", [True, False])
 def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, threaded):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -102,6 +111,27 @@ def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
     try:
         assert written.wait(10)
         assert client.xlen(keys.events("chatcmpl-retry")) == 1
+    finally:
+        outbox.close()
+        server.stop()
+
+
+def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
+    server = EmbeddedRedis(tmp_path, persist=False).start()
+    client = redis.Redis(port=server.port, decode_responses=True)
+    outbox = Outbox(Publisher(client, settings), threaded=True)
+    try:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # below what it uses: every write is refused
+        written = threading.Event()
+        outbox.put(
+            StepWrites(events=[("chatcmpl-oom", Event(seq=1, event=EventKind.done))]), [], lambda _: written.set()
+        )
+        time.sleep(0.5)
+        assert not written.is_set()
+        client.config_set("maxmemory", 0)
+        assert written.wait(10)
+        assert client.xlen(keys.events("chatcmpl-oom")) == 1
     finally:
         outbox.close()
         server.stop()
