@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -9,12 +10,16 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from celery import Celery
 
-from api.errors import Conflict, JobNotFound
+from api.errors import BadRequest, Conflict, JobNotFound
 from shared import keys
 from shared.jobs import CANCEL, SUBMIT
 from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
 from shared.queue import celery_priority, task_message
 from shared.settings import Settings
+
+# Ids are part of Redis key names, so they must not hold the names' separator: a job "abc:cancel" would be stored
+# under another job's cancel flag.
+JOB_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
 class JobStore:
@@ -34,6 +39,8 @@ class JobStore:
         request_id: str | None,
     ) -> tuple[Job, int]:
         """The job, recorded and enqueued, and its queue position at that moment."""
+        if request_id is not None and not JOB_ID.fullmatch(request_id):
+            raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         job = Job(
             id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
@@ -51,12 +58,14 @@ class JobStore:
         return job, rank + 1
 
     async def get(self, job_id: str) -> Job:
+        self._check(job_id)
         h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
         if not h:
             raise JobNotFound(job_id)
         return Job.from_redis(h)
 
     async def cancel(self, job_id: str) -> None:
+        self._check(job_id)
         done = Event(seq=1, event=EventKind.done).to_json()
         status = await self._cancel(
             keys=[
@@ -64,7 +73,7 @@ class JobStore:
                 keys.events(job_id),
                 keys.live(job_id),
                 keys.cancel(job_id),
-                keys.waiting(self._model_of(job_id)),
+                keys.waiting(self.settings.model_name),  # the one model this API serves
             ],
             args=[self.settings.result_ttl, done, job_id],
         )
@@ -79,9 +88,10 @@ class JobStore:
         rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]
         return None if rank is None else rank + 1
 
-    def _model_of(self, job_id: str) -> str:
-        # One model is served per deployment for now; per-model routing will read it from the record.
-        return self.settings.model_name
+    @staticmethod
+    def _check(job_id: str) -> None:
+        if not JOB_ID.fullmatch(job_id):
+            raise JobNotFound(job_id)
 
     async def view(self, job: Job, queue_position: int | None = None) -> dict[str, Any]:
         """The job as a chat.completion object with its status, as GET returns it; a queued job's position is read

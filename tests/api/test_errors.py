@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from shared import keys
 from tests.helpers import assert_error, snapshot
 
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
@@ -68,6 +69,8 @@ INVALID = [
     ({"messages": LONG_PROMPT}, 400, BAD, "input_tokens"),
     ({"messages": M, "return_tokens_as_token_ids": True}, 400, BAD, "return_tokens_as_token_ids"),
     ({"messages": M, "audio": {"voice": "x"}}, 400, BAD, "audio"),
+    ({"messages": M, "request_id": "abc:cancel"}, 400, BAD, "request_id"),
+    ({"messages": M, "request_id": "x" * 129}, 400, BAD, "request_id"),
 ]
 
 
@@ -112,9 +115,23 @@ def test_malformed_json_is_a_400(http, r, model_name):
     assert snapshot(r, model_name) == before
 
 
+def test_a_request_id_header_is_checked_like_the_field(http, r, model_name):
+    before = snapshot(r, model_name)
+    resp = http.post("/v1/chat/completions", json={"messages": M}, headers={"X-Request-Id": "a:b"})
+    assert_error(resp, 400, BAD, "request_id")
+    assert snapshot(r, model_name) == before
+
+
+def test_tokenize_without_messages_is_a_400(http):
+    assert_error(http.post("/tokenize", json={"messages": []}), 400, BAD, "messages")
+
+
 @pytest.mark.parametrize(("method", "suffix"), [("GET", ""), ("POST", "/cancel"), ("DELETE", "")])
-def test_unknown_job_id_is_a_404(http, method, suffix):
-    resp = http.request(method, f"/v1/chat/completions/chatcmpl-doesnotexist{suffix}")
+@pytest.mark.parametrize("job_id", ["chatcmpl-doesnotexist", "chatcmpl-keyclash:events"])
+def test_unknown_job_id_is_a_404(http, r, method, suffix, job_id):
+    # The second names another job's event log, were ids put into key names unchecked.
+    r.xadd(keys.events("chatcmpl-keyclash"), {"msg": "{}"})
+    resp = http.request(method, f"/v1/chat/completions/{job_id}{suffix}")
     assert_error(resp, 404, "NotFoundError", "completion_id")
 
 
