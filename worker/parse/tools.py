@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from worker.parse import Parser
+from worker.parse import Delta, Parser
 from worker.parse.common import new_call_id
 from worker.parse.hermes import HermesParser
 from worker.parse.llama3_json import Llama3JsonParser
@@ -21,4 +21,24 @@ TOOL_PARSERS: dict[str, ToolParserClass] = {
     "pythonic": PythonicParser,
 }
 
-__all__ = ["TOOL_PARSERS", "HermesParser", "Llama3JsonParser", "PythonicParser", "new_call_id"]
+
+class FirstCallOnly:
+    """parallel_tool_calls=false under tool_choice "auto": the model's first call is kept and any later one dropped,
+    as vLLM does; a tool parser itself accepts however many the model writes."""
+
+    def __init__(self, inner: Parser):
+        self.inner = inner
+
+    def feed(self, text: str) -> Delta:
+        return self._first(self.inner.feed(text))
+
+    def finish(self) -> Delta:
+        return self._first(self.inner.finish())
+
+    @staticmethod
+    def _first(delta: Delta) -> Delta:
+        delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
+        return delta
+
+
+__all__ = ["TOOL_PARSERS", "FirstCallOnly", "HermesParser", "Llama3JsonParser", "PythonicParser", "new_call_id"]

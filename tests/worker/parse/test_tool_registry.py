@@ -1,10 +1,14 @@
 from __future__ import annotations
 
 import re
+from typing import get_args
 
 import pytest
+from pydantic import ValidationError
 
-from worker.parse import ContentParser, collect
+from shared.settings import Settings
+from tests.helpers import collect
+from worker.parse import ContentParser
 from worker.parse.tools import TOOL_PARSERS, new_call_id
 
 OUTPUTS = {
@@ -12,6 +16,14 @@ OUTPUTS = {
     "llama3_json": '{"name": "f", "parameters": {"a": 1}}',
     "pythonic": "[f(a=1)]",
 }
+
+
+def test_the_setting_names_exactly_the_registered_parsers():
+    assert set(get_args(Settings.model_fields["tool_parser"].annotation)) == {"", *TOOL_PARSERS}
+    with pytest.raises(ValidationError, match="tool_parser"):
+        Settings(tool_parser="hermess")
+    with pytest.raises(ValidationError, match="reasoning_parser"):
+        Settings(reasoning_parser="qwen")
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "pythonic"])
