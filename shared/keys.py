@@ -7,6 +7,7 @@ Layout (documented in the README):
   chatq:job:{id}:cancel     string set when a client asks to cancel; the worker checks it every 50 ms
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
+  chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
 """
 
 from __future__ import annotations
@@ -40,3 +41,11 @@ def workers(model: str) -> str:
 
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
+
+
+# kombu's Redis transport keeps priority lane n of queue q in the list "q\x06\x16n", lane 0 in "q" itself.
+_LANE_SEP = "\x06\x16"
+
+
+def celery_lane(queue: str, lane: int) -> str:
+    return f"{queue}{_LANE_SEP}{lane}" if lane else queue

@@ -55,10 +55,6 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-# kombu's Redis transport keeps priority lane n of queue q in the list "q\x06\x16n" (lane 0 in "q" itself).
-_LANE_SEP = "\x06\x16"
-
-
 def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, str]:
     """The Redis list and the message that `app.send_task(GENERATE_TASK, [job_id], queue=queue, priority=lane)`
     would push there, for the API's submit script to push itself.
@@ -87,4 +83,4 @@ def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, 
             "delivery_tag": str(uuid.uuid4()),
         },
     }
-    return (f"{queue}{_LANE_SEP}{lane}" if lane else queue), orjson.dumps(envelope).decode()
+    return keys.celery_lane(queue, lane), orjson.dumps(envelope).decode()

@@ -1,10 +1,10 @@
-"""Small helpers the tests share: reading SSE frames and waiting on a job."""
+"""Small helpers the tests share: reading SSE frames, waiting on a job, running a parser over pieces of text."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import httpx
 import redis
 
 from shared import keys
+from worker.parse import Delta, Message, Parser
 
 
 @dataclass
@@ -68,7 +69,7 @@ def wait_for(http: httpx.Client, job_id: str, until: Callable[[dict[str, Any]], 
 
 def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
     """What a refused request must leave unchanged: job records, the Celery queue and the waiting set."""
-    jobs = sum(1 for k in r.scan_iter("chatq:job:*") if k.count(":") == 2)
+    jobs = sum(1 for k in r.scan_iter(keys.job("*")) if k.count(":") == keys.job("").count(":"))
     queued = sum(r.llen(k) for k in r.scan_iter(keys.celery_queue(model) + "*"))
     return jobs, queued, r.zcard(keys.waiting(model))
 
@@ -80,3 +81,18 @@ def assert_error(resp: httpx.Response, status: int, type_: str, param: str | Non
     assert (error["type"], error["param"], error["code"]) == (type_, param, status), error
     assert error["message"]
     return error
+
+
+def combine(deltas: Iterable[Delta]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """Deltas of one choice -> (content, reasoning, tool_calls), as the worker builds a final message."""
+    message = Message()
+    for d in deltas:
+        message.add(d)
+    return message.result()
+
+
+def collect(parser: Parser, pieces: Iterable[str]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """Feed every piece, finish, and combine: the whole parsed message."""
+    deltas = [parser.feed(p) for p in pieces]
+    deltas.append(parser.finish())
+    return combine(deltas)

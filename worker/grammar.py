@@ -50,7 +50,7 @@ class GrammarCompiler:
         model_dir: Path,
         vocab_size: int,
         *,
-        eos_token_ids: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int],
         cache_bytes: int = 256 << 20,
         threads: int = 2,
     ):
@@ -60,7 +60,7 @@ class GrammarCompiler:
         # xgrammar treats an empty token as special (never allowed). Without this, control tokens such as
         # <|im_start|> would be allowed inside JSON strings as if they were their literal text.
         vocab = ["" if i in special else by_id.get(i, "") for i in range(vocab_size)]
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(model_dir, tokenizer)
+        self.eos_token_ids = list(eos_token_ids)
         # What TokenizerInfo.from_huggingface does (with its private helper), minus transformers: it tells a
         # byte-level vocab from a byte-fallback or raw one.
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
@@ -129,10 +129,6 @@ class GrammarState:
         """EOS was accepted after a complete output; the state must not be masked again."""
         return self._matcher.is_terminated()
 
-    def mask_logits(self, logits: torch.Tensor) -> None:
-        """Sets the tokens the grammar forbids next to -inf in a [V] or [1, V] row, in place."""
-        apply_masks(logits.view(1, -1), [self])
-
 
 def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
     """Masks, in place, each row of logits [B, V] whose sequence has a grammar; rows with None are left alone."""
@@ -190,17 +186,3 @@ def _compile(kind: str, build: Callable[[], Grammar]) -> Grammar:
     except (RuntimeError, ValueError, TypeError) as e:
         message = _NOISE.sub("", str(e).strip()).strip()
         raise GrammarError(f"Invalid {kind}: {message}") from e
-
-
-def _eos_ids(model_dir: Path, tokenizer: Tokenizer) -> list[int]:
-    # The same rule as Renderer.eos_token_ids, without loading the chat template.
-    ids: list[int] = []
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    token = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
-    if token is not None and (tid := tokenizer.token_to_id(token)) is not None and tid not in ids:
-        ids.append(tid)
-    return ids

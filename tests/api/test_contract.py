@@ -7,6 +7,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from shared import keys
 from tests.helpers import stream
 
 COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
@@ -215,9 +216,9 @@ def test_priority_lets_an_urgent_job_overtake_queued_ones(http: httpx.Client, r,
     def started(job_id: str) -> float:
         import time
 
-        while not r.hget(f"chatq:job:{job_id}", "started"):
+        while not r.hget(keys.job(job_id), "started"):
             time.sleep(0.05)
-        return float(r.hget(f"chatq:job:{job_id}", "started"))
+        return float(r.hget(keys.job(job_id), "started"))
 
     urgent_at = started(urgent)
     assert all(started(j) >= urgent_at for j in waiting)

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from shared.settings import Settings
 from worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
+from worker.render import Renderer
 
 MODEL_DIR = Settings().model_dir
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
@@ -68,7 +69,7 @@ NUMBER: /[0-9]+/
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    return GrammarCompiler(MODEL_DIR, VOCAB)
+    return GrammarCompiler(MODEL_DIR, VOCAB, eos_token_ids=Renderer(MODEL_DIR).eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def allowed(state: GrammarState) -> torch.Tensor:
     logits = torch.zeros(VOCAB)
-    state.mask_logits(logits)
+    apply_masks(logits.view(1, -1), [state])
     return logits != float("-inf")
 
 
@@ -180,7 +181,7 @@ def test_apply_masks_only_touches_rows_with_a_grammar(compiler: GrammarCompiler,
     logits = torch.randn(4, VOCAB)
     expected = logits.clone()
     for row, state in ((0, a), (2, b)):
-        state.mask_logits(expected[row])
+        apply_masks(expected[row : row + 1], [state])
     apply_masks(logits, [a, None, b, None])
     assert torch.equal(logits, expected)
     firsts = [tokenizer.decode([t]) for t in (logits[0] != float("-inf")).nonzero().flatten().tolist()]

@@ -7,7 +7,6 @@ field by field, equal the whole parsed message.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -80,18 +79,3 @@ class Message:
         tool_calls = [calls[i] for i in sorted(calls)]
         text = "".join(self.content)
         return (None if not text and tool_calls else text), "".join(self.reasoning) or None, tool_calls
-
-
-def combine(deltas: Iterable[Delta]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
-    """Deltas of one choice -> (content, reasoning, tool_calls), as Message.result gives them."""
-    message = Message()
-    for d in deltas:
-        message.add(d)
-    return message.result()
-
-
-def collect(parser: Parser, pieces: Iterable[str]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
-    """Feed every piece, finish, and combine: the whole parsed message."""
-    deltas = [parser.feed(p) for p in pieces]
-    deltas.append(parser.finish())
-    return combine(deltas)

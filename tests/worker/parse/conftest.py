@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from worker.parse import Delta, Parser, collect, combine
+from tests.helpers import collect, combine
+from worker.parse import Delta, Parser
 
 CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from worker.parse import collect
+from tests.helpers import collect
 from worker.parse.forced import NamedToolParser, RequiredToolParser
 
 
