@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api import errors
-from api.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from api.errors import BadRequest, ClientDisconnected, ModelNotFound, ServiceUnavailable
 from api.jobs import JobStore
 from api.relay import Relay
 from shared import keys
@@ -33,7 +33,6 @@ from shared.protocol import (
     Job,
     JobStatus,
     TokenizeRequest,
-    error_body,
 )
 from shared.queue import make_celery
 from shared.settings import Settings
@@ -221,7 +220,7 @@ def create_app(settings: Settings) -> FastAPI:
             return JSONResponse(await store.view(job, position), status_code=202)
         done = await wait_done(job.id, request)
         if done is None:
-            return JSONResponse(error_body("The client disconnected.", "APIError", 499), status_code=499)
+            raise ClientDisconnected("The client disconnected.")
         if done.data is not None:  # completed: the answer came with `done`
             return Response(orjson.dumps(done.data), media_type="application/json")
         return await finished_response(await store.get(job.id))

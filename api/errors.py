@@ -43,6 +43,12 @@ class JobNotFound(APIError):
         super().__init__(f"No chat completion found with id '{job_id}'.", "completion_id")
 
 
+class ClientDisconnected(APIError):
+    """Nginx's 499: nobody reads it, but the access log and the metrics tell it from a served request."""
+
+    status, type = 499, "APIError"
+
+
 class ServiceUnavailable(APIError):
     status, type = 503, "ServiceUnavailableError"
 
