@@ -119,6 +119,30 @@ def check_against_transformers(graph_batch: int) -> bool:
     return ok
 
 
+def check_attention_bf16() -> dict[str, float] | str:
+    """Largest difference between the paged decode kernel in bf16 and SDPA in float32 on the same values, at the
+    head shapes of both models (Triton's interpreter cannot run bf16 dots, so the tests check float16 on CPU)."""
+    if DEV != "cuda":
+        return "cuda only"
+    from worker import attention
+
+    out = {}
+    for heads, kv_heads, head_dim in ((14, 2, 64), (32, 8, 128)):
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            kc = torch.randn(4096 * 16, kv_heads, head_dim, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            lens = torch.randint(1, 1024, (64,), dtype=torch.int32)
+            table = torch.stack([torch.randperm(4096)[:64] for _ in range(64)]).to(torch.int32)
+            q = torch.randn(64, heads, head_dim, dtype=torch.bfloat16)
+        scale = head_dim**-0.5
+        got = attention.decode_paged(q, kc, vc, table, lens, scale, 16).float()
+        ctx, mask = attention.gather_context(table, lens, 16)
+        want = attention.decode_sdpa(q.float(), kc.float(), vc.float(), ctx, mask, scale)
+        out[f"{heads}x{head_dim}"] = round(float((got - want).abs().max()), 4)
+    return out
+
+
 def bench_model(kind: str, graph_batch: int) -> dict:
     cfg = config(kind)
     with torch.device(DEV):
@@ -169,6 +193,10 @@ def main() -> None:
             facts[f"check_against_transformers_graphs{graph_batch}"] = check_against_transformers(graph_batch)
         except Exception as e:  # noqa: BLE001 - a broken path is a result to report, not a reason to stop
             facts[f"check_against_transformers_graphs{graph_batch}"] = f"{type(e).__name__}: {e}"
+    try:
+        facts["attention_bf16_max_abs_error"] = check_attention_bf16()
+    except Exception as e:  # noqa: BLE001
+        facts["attention_bf16_max_abs_error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(facts), flush=True)
     results = []
     for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):

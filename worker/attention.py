@@ -64,6 +64,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         PAGE: tl.constexpr,  # tokens per cache block
         TILE: tl.constexpr,  # keys per iteration, a multiple of PAGE
+        PRECISION: tl.constexpr,  # of tl.dot on float32 inputs
     ):
         # One program per (sequence, KV head): the query heads sharing that KV head read each key once.
         b = tl.program_id(0)
@@ -84,13 +85,13 @@ if triton is not None:
             kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
             v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, TILE]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GROUP_PAD, TILE]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             den = den * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m = m_new
         out = acc / den[:, None]
         tl.store(
@@ -135,5 +136,8 @@ def decode_paged(
         HEAD_DIM=head_dim,
         PAGE=block_size,
         TILE=tile,
+        # Triton multiplies float32 in TF32 by default, about three decimal digits: a float32 model (CHATQ_DTYPE)
+        # would then attend less exactly than torch's own float32 matmuls and drift from transformers' output.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
