@@ -7,11 +7,12 @@ continuous batching decides the rest. Prints a table and writes results.json to 
     MODELS=tiny N=16 NEW=8 python bench/gpu_engine.py   # a quick check on CPU
 
 GRAPHS (default 256) is the largest decode batch replayed as a CUDA graph; GRAPHS=0 runs every step eagerly. If
-capturing fails, the model runs again eagerly and the row says so.
+the run fails, the model runs again eagerly; each row says whether its graphs were captured and all its tokens made.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -71,6 +72,13 @@ def config(kind: str):
     )
 
 
+def free_memory() -> None:
+    # A model and engine can outlive their function in a reference cycle until the collector runs.
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -88,6 +96,16 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, int,
         step_times.append(time.perf_counter() - t)
     sync()
     return time.perf_counter() - t0, tokens, step_times
+
+
+def warm_up(engine: Engine, prompts: list[list[int]]) -> None:
+    """Each kind of step once before the clock starts (kernels compile, cuBLAS and the allocator settle): a prompt
+    alone, prompts beside decodes (eager), decodes alone (graphs)."""
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(f"warm-up-{i}", p, SamplingParams(max_tokens=4, temperature=0.0)))
+        engine.step()
+    while engine.has_work():
+        engine.step()
 
 
 def check_against_transformers(graph_batch: int) -> bool:
@@ -165,7 +183,7 @@ def bench_model(kind: str, graph_batch: int) -> dict:
     setup = time.perf_counter() - t
     random.seed(0)
     prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
-    run(engine, prompts[:4], 4)  # warm-up: kernels, allocator
+    warm_up(engine, prompts[:4])
     wall, tokens, steps = run(engine, prompts, NEW)
     steps.sort()
     return dict(
@@ -181,13 +199,22 @@ def bench_model(kind: str, graph_batch: int) -> dict:
         kv_tokens=kv_tokens,
         prefill_chunk=CHUNK,
         graph_batch=graph_batch,
+        # Capture failing leaves the engine eager (it logs why), and a failed forward pass ends its sequences early:
+        # either would make tok/s describe something else than the row says.
+        graphs_captured=engine.graphs is not None,
+        complete=tokens == N * NEW,
         setup_s=round(setup, 1),
     )
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    facts = {"device": DEV, "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None, "torch": torch.__version__}
+    facts = {
+        "device": DEV,
+        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version() if DEV == "cuda" else None,
+    }
     for graph_batch in sorted({0, min(GRAPHS, 4)}):
         try:
             facts[f"check_against_transformers_graphs{graph_batch}"] = check_against_transformers(graph_batch)
@@ -200,25 +227,26 @@ def main() -> None:
     print(json.dumps(facts), flush=True)
     results = []
     for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):
+        row: dict | None = None
         try:
             row = bench_model(kind, GRAPHS)
         except Exception as e:  # noqa: BLE001
             print(json.dumps({"model": kind, "graph_batch": GRAPHS, "error": f"{type(e).__name__}: {e}"}), flush=True)
-            if not GRAPHS:
-                continue
-            if DEV == "cuda":
-                torch.cuda.empty_cache()
+        free_memory()  # outside the except block, whose traceback would keep the failed engine's cache alive
+        if row is None and GRAPHS:
             row = bench_model(kind, 0)
+            free_memory()
+        if row is None:
+            continue
         results.append(row)
         print(json.dumps(row), flush=True)
         (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
     head = f"{'model':<10} {'requests':>8} {'new':>5} {'graphs':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>10}"
     print(f"\n{head} {'step p50 ms':>12}")
     for r in results:
+        graphs = r["graph_batch"] if r["graphs_captured"] else "eager"
         print(
-            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['graph_batch']:>6} {r['gen_tokens']:>8} {r['s']:>8} "
+            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {graphs:>6} {r['gen_tokens']:>8} {r['s']:>8} "
             f"{r['tok_s']:>10} {r['step_ms_p50']:>12}"
         )
 

@@ -42,8 +42,9 @@ def decode_sdpa(
 
 
 if triton is not None:
-
-    @triton.jit
+    # The block table's row stride is the widest sequence's block count, which changes from step to step; left to
+    # Triton, each new value divisible by 16 (or equal to 1) or not would compile the kernel again mid-run.
+    @triton.jit(do_not_specialize=["stride_tb"])
     def _paged_decode_kernel(
         q_ptr,
         k_ptr,

@@ -32,8 +32,9 @@ class Batch:
     num_decode: int
     dec_table: torch.Tensor | None  # [D, W] int32 block ids
     dec_lens: torch.Tensor | None  # [D] int32 context length, the new token included
-    # Prefill part: (start, end) of each chunk in the flat row, its context slots, and its causal mask.
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # Prefill part: (start, end) of each chunk in the flat row, its context slots, and its causal mask (None: the
+    # chunk is the whole context so far, plainly causal).
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
 
 
@@ -77,6 +78,10 @@ class PagedForward:
         # Rotary application is the one function each architecture module defines; take the model's own.
         self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
         self.paged = cache.k[0].is_cuda and attention.triton is not None
+        if cache.k[0].is_cuda:
+            # Where torch prefers cuDNN's attention (Hopper, recent cuDNN), it builds a plan for every new pair of
+            # prompt and context lengths, tens of milliseconds each, and a server sees new lengths all the time.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if not cache.k[0].is_cuda:
             # nn.Linear computes x @ W.T from a row-major W; MKL's sgemm does that 2-3x slower than x @ W with W
             # laid out column-major at the 8-48 rows of a decode step (the same at one row and from 64 rows on).
@@ -133,6 +138,7 @@ class PagedForward:
                 kp,
                 vp,
                 attn_mask=mask,
+                is_causal=mask is None,
                 scale=self.scaling,
                 enable_gqa=True,
             )
