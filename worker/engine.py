@@ -41,8 +41,8 @@ class Finish(StrEnum):
     error = "error"
 
 
-# eq=False: a sequence is itself, not its fields; the scheduler's membership tests compared all thirteen fields of
-# every running sequence, a tenth of a step's host time at 256 sequences.
+# eq=False: a sequence is itself, not its fields. Compared field by field, the scheduler's membership tests took
+# most of a step's host time at 256 sequences (34 of 39 ms on a 2-core CPU).
 @dataclass(eq=False)
 class Sequence:
     id: str
