@@ -258,7 +258,7 @@ def lost(last: int) -> list[Event]:
     """How a stream ends when the event after `last` never reached the log (a worker could not write it). Both
     carry `last`'s number: a client that resumes from them meets the same gap, not a text with a hole in it."""
     body = error_body(
-        "Part of this job's output was lost before it could be relayed; the job's record has its final state.",
+        "Part of this job's output was lost before it could be relayed.",
         "InternalServerError",
         500,
     )

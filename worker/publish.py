@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
 # or a primary failing over. Anything else it refuses, such as a key of the wrong type, would never land, and
-# waiting for it would stall every job of the worker; such a step is logged and given up, and its streams end
-# with an error when the relay finds the gap.
+# waiting for it would stall every job of the worker; such a step is logged and given up, and a stream that
+# meets a later event of its job ends with an error at the gap (api/relay.py).
 RETRIED = (
     redis.ConnectionError,
     redis.TimeoutError,
