@@ -17,8 +17,8 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, Eve
 from shared.queue import celery_priority, task_message
 from shared.settings import Settings
 
-# Ids are part of Redis key names, so they must not hold the names' separator: a job "abc:cancel" would be stored
-# under another job's cancel flag.
+# Ids are part of Redis key names, so they must not hold the names' separator: the record of a job "abc:events"
+# would be the event log of job "abc".
 JOB_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
@@ -72,10 +72,9 @@ class JobStore:
                 keys.job(job_id),
                 keys.events(job_id),
                 keys.live(job_id),
-                keys.cancel(job_id),
                 keys.waiting(self.settings.model_name),  # the one model this API serves
             ],
-            args=[self.settings.result_ttl, done, job_id],
+            args=[self.settings.result_ttl, done, job_id, keys.cancels("")],
         )
         if status is None:
             raise JobNotFound(job_id)

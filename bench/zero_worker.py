@@ -87,14 +87,14 @@ class Stats:
 class TimedPublisher(Publisher):
     """The product's Publisher, timed."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, stats: Stats):
-        super().__init__(client, settings)
+    def __init__(self, client: redis.Redis, settings: Settings, worker: str, stats: Stats):
+        super().__init__(client, settings, worker)
         self.stats = stats
 
-    def flush(self, writes: StepWrites, running: list[str]) -> Any:
+    def flush(self, writes: StepWrites) -> Any:
         start = time.perf_counter()
         try:
-            return super().flush(writes, running)
+            return super().flush(writes)
         finally:
             self.stats.add(flushes=1, events=len(writes.events), flush_s=time.perf_counter() - start)
 
@@ -112,7 +112,7 @@ class CountedZeroEngine(ZeroEngine):
         return outputs
 
 
-def build_zero_runner(settings: Settings, client: redis.Redis, stats: Stats) -> Runner:
+def build_zero_runner(settings: Settings, client: redis.Redis, worker: str, stats: Stats) -> Runner:
     renderer = Renderer(settings.model_dir)  # tokenizer and chat template only: no weights are read
     ids = renderer.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False).ids
     if len(ids) != 1:
@@ -120,7 +120,7 @@ def build_zero_runner(settings: Settings, client: redis.Redis, stats: Stats) -> 
     config = json.loads((settings.model_dir / "config.json").read_text())
     max_model_len = settings.max_model_len or int(config.get("max_position_embeddings", 2048))
     engine = CountedZeroEngine(ids[0], stats)
-    publisher = TimedPublisher(client, settings, stats)
+    publisher = TimedPublisher(client, settings, worker, stats)
     return Runner(
         lambda: engine,
         renderer.tokenizer,
@@ -139,7 +139,8 @@ if not signals.worker_init.disconnect(product._load):
 def _load_zero(sender: object = None, **_kwargs: object) -> None:
     client = redis.Redis.from_url(product.settings.redis_url, decode_responses=True)
     stats = Stats()
-    runner = build_zero_runner(product.settings, client, stats)
+    name = getattr(sender, "hostname", "worker")
+    runner = build_zero_runner(product.settings, client, name, stats)
     runner.start()
     threading.Thread(target=stats.report_forever, args=(client,), name="bench-stats", daemon=True).start()
-    product._state = product.WorkerState(client, runner, getattr(sender, "hostname", "worker"))
+    product._state = product.WorkerState(client, runner, name)

@@ -29,19 +29,24 @@ redis.call('ZREM', KEYS[2], ARGV[3])
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: job, events, live, cancel flag, waiting zset. ARGV: ttl, done message, job id.
-# A queued job is cancelled here and its log closed; a running one gets a flag its worker sees at the next step.
+# KEYS: job, events, live, waiting zset. ARGV: ttl, done message, job id, keys.cancels("").
+# A queued job is cancelled here and its log closed. A running one is named in its worker's cancel set, which that
+# worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return nil end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
-  redis.call('ZREM', KEYS[5], ARGV[3])
+  redis.call('ZREM', KEYS[4], ARGV[3])
   redis.call('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 elseif status == 'in_progress' then
-  redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+  local worker = redis.call('HGET', KEYS[1], 'worker')
+  if worker then
+    redis.call('SADD', ARGV[4] .. worker, ARGV[3])
+    redis.call('EXPIRE', ARGV[4] .. worker, ARGV[1])
+  end
 end
 return status
 """

@@ -4,7 +4,7 @@ Layout (documented in the README):
   chatq:job:{id}            hash   the job record (status, request, result, progress)
   chatq:job:{id}:events     stream the replayable event log, entry ids 0-{seq}
   chatq:job:{id}:live       pubsub the same events as they happen
-  chatq:job:{id}:cancel     string set when a client asks to cancel; the worker checks it every 50 ms
+  chatq:cancels:{worker}    set    ids of that worker's running jobs that a client cancelled; read at every step
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
@@ -27,8 +27,10 @@ def live(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:live"
 
 
-def cancel(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:cancel"
+def cancels(worker: str) -> str:
+    """The cancel requests for one worker's running jobs. The cancel script finds the holding worker in the job's
+    record and completes `cancels("")` with its name."""
+    return f"{PREFIX}:cancels:{worker}"
 
 
 def waiting(model: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -10,8 +11,12 @@ from typing import Any
 
 import httpx
 import redis
+import redis.asyncio as aioredis
 
+from api.jobs import JobStore
 from shared import keys
+from shared.queue import make_celery
+from shared.settings import Settings
 from worker.parse import Delta, Message, Parser
 
 
@@ -72,6 +77,19 @@ def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
     jobs = sum(1 for k in r.scan_iter(keys.job("*")) if k.count(":") == keys.job("").count(":"))
     queued = sum(r.llen(k) for k in r.scan_iter(keys.celery_queue(model) + "*"))
     return jobs, queued, r.zcard(keys.waiting(model))
+
+
+def cancel_job(settings: Settings, job_id: str) -> None:
+    """The API's cancel of a job, without HTTP."""
+
+    async def cancel() -> None:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            await JobStore(client, make_celery(settings), settings).cancel(job_id)
+        finally:
+            await client.aclose()
+
+    asyncio.run(cancel())
 
 
 def assert_error(resp: httpx.Response, status: int, type_: str, param: str | None) -> dict:

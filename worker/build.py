@@ -35,7 +35,8 @@ def kv_cache_tokens(settings: Settings, model: torch.nn.Module, max_model_len: i
     return max(budget // per_token, max_model_len)
 
 
-def build_runner(settings: Settings, client: redis.Redis) -> Runner:
+def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner:
+    """The runner of the worker named `worker` (the name its claims record, where cancels find it)."""
     path = ensure_model_dir(settings)
     config = json.loads((path / "config.json").read_text())
     max_model_len = settings.max_model_len or int(config["max_position_embeddings"])
@@ -61,7 +62,7 @@ def build_runner(settings: Settings, client: redis.Redis) -> Runner:
         make_engine,
         renderer.tokenizer,
         renderer.eos_token_ids,
-        Publisher(client, settings),
+        Publisher(client, settings, worker),
         max_model_len,
         settings=settings,
         compiler=compiler,

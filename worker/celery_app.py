@@ -39,7 +39,7 @@ app = make_celery(settings)
 class WorkerState:
     redis: redis.Redis
     runner: Runner
-    name: str = ""
+    name: str  # Celery's node name: the claims record it, the registry lists it, cancels are addressed to it
 
 
 _state: WorkerState | None = None
@@ -52,15 +52,15 @@ def _load(sender=None, **_kwargs) -> None:
     from worker.build import build_runner
 
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    runner = build_runner(settings, client)
+    name = getattr(sender, "hostname", "worker")
+    runner = build_runner(settings, client, name)
     runner.start()
-    _state = WorkerState(client, runner, getattr(sender, "hostname", "worker"))
+    _state = WorkerState(client, runner, name)
 
 
 @signals.worker_ready.connect
 def _ready(sender=None, **_kwargs) -> None:
     assert _state is not None
-    _state.name = getattr(sender, "hostname", _state.name)
     # torch, transformers and the model leave 400,000 objects that live as long as the worker. Frozen, they are out
     # of the cyclic collector's sight: a full collection walked them all, stopping every stream for 150-250 ms, and
     # with 200 busy streams one was due every 2-10 s.

@@ -1,8 +1,8 @@
 """Writes what one engine step produced to Redis: one pipeline per step for every active job.
 
 Each event is appended to the job's replayable log (a Stream whose entry ids are 0-<seq>) and published on the
-job's live channel with the same message. The same round trip records progress, closes finished jobs and asks
-which running jobs a client wants cancelled.
+job's live channel with the same message. The same round trip records progress, closes finished jobs and reads
+which of the worker's running jobs clients cancelled.
 
 On a GPU the writes leave from a thread of their own (Outbox), in step order, so the engine computes its next step
 while Redis takes this one: a step's writes cost as long as a decode step of a small model on a GPU.
@@ -63,12 +63,14 @@ class StepWrites:
 
 
 class Publisher:
-    def __init__(self, client: redis.Redis, settings: Settings):
+    def __init__(self, client: redis.Redis, settings: Settings, worker: str):
         self.redis = client
         self.ttl = settings.result_ttl
+        self.cancels = keys.cancels(worker)
 
-    def flush(self, writes: StepWrites, running: list[str]) -> set[str]:
-        """Sends one step's writes; returns the running job ids whose cancel flag is set."""
+    def flush(self, writes: StepWrites) -> set[str]:
+        """Sends one step's writes; returns the ids of the worker's jobs that clients cancelled and that had not
+        ended by this step."""
         # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record.
         pipe = self.redis.pipeline(transaction=True)
         if writes.events:
@@ -98,19 +100,18 @@ class Publisher:
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
             pipe.eval(UPDATE_RECORD, 1, keys.job(end.job_id), self.ttl, *(x for pair in fields.items() for x in pair))
-            for key in (keys.events(end.job_id), keys.cancel(end.job_id)):
-                pipe.expire(key, self.ttl)
-        if running:
-            # One MGET for all the flags: an EXISTS per job cost more than the step's events with hundreds running.
-            pipe.mget([keys.cancel(job_id) for job_id in running])
-        results = pipe.execute()
-        flags = results[-1] if running else []
-        return {job_id for job_id, flag in zip(running, flags, strict=True) if flag is not None}
+            pipe.expire(keys.events(end.job_id), self.ttl)
+        if writes.ended:
+            pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
+        # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
+        # the step after the one it arrived during.
+        pipe.smembers(self.cancels)
+        return set(pipe.execute()[-1])
 
 
 class Outbox:
     """Flushes steps' writes one after another; `then` runs once the step is written, with the ids of the jobs
-    whose cancel flag is set.
+    that clients cancelled.
 
     Threaded, the writes leave from a thread of their own and `put` returns at once; at most `depth` steps wait, so
     a Redis slower than the engine slows the engine rather than letting a backlog (and the clients' lag) grow.
@@ -121,17 +122,17 @@ class Outbox:
     def __init__(self, publisher: Publisher, *, threaded: bool, depth: int = 2):
         self.publisher = publisher
         self._closing = threading.Event()
-        self._queue: queue.Queue[tuple[StepWrites, list[str], Callable[[set[str]], None]] | None] = queue.Queue(depth)
+        self._queue: queue.Queue[tuple[StepWrites, Callable[[set[str]], None]] | None] = queue.Queue(depth)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="chatq-publish", daemon=True)
             self._thread.start()
 
-    def put(self, writes: StepWrites, running: list[str], then: Callable[[set[str]], None]) -> None:
+    def put(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
         if self._thread is None:
-            self._write(writes, running, then)
+            self._write(writes, then)
         else:
-            self._queue.put((writes, running, then))
+            self._queue.put((writes, then))
 
     def close(self, timeout: float = 10) -> None:
         """Sends what is queued, then stops; a step waiting for an unreachable Redis is given up."""
@@ -145,12 +146,12 @@ class Outbox:
         while (item := self._queue.get()) is not None:
             self._write(*item)
 
-    def _write(self, writes: StepWrites, running: list[str], then: Callable[[set[str]], None]) -> None:
+    def _write(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
         cancelled: set[str] = set()
         delay = 0.1
         while True:
             try:
-                cancelled = self.publisher.flush(writes, running)
+                cancelled = self.publisher.flush(writes)
                 break
             except RETRIED as e:
                 # Sent again until Redis takes it: the step's events are skipped where they were already written.

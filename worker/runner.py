@@ -32,7 +32,6 @@ from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
-CANCEL_CHECK_EVERY = 0.05  # seconds between checks of the running jobs' cancel flags
 
 
 @dataclass
@@ -301,7 +300,6 @@ class Runner:
         self._new: queue.SimpleQueue[JobRun] = queue.SimpleQueue()
         self.runs: dict[str, JobRun] = {}
         self.by_seq: dict[str, tuple[JobRun, Choice]] = {}
-        self.cancels_at = 0.0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="chatq-engine", daemon=True)
 
@@ -403,26 +401,23 @@ class Runner:
             elif now - run.progress_at >= PROGRESS_EVERY:
                 run.progress_at = now
                 writes.progress[job_id] = run.completion_tokens
-        # Progress and cancel flags are polled by people, not machines: a few times a second is plenty, and it keeps
-        # a step's Redis writes to the events themselves (two commands per event) when hundreds of jobs run.
-        running: dict[str, list[str]] = {}  # job id -> its sequences
-        if now - self.cancels_at >= CANCEL_CHECK_EVERY:
-            self.cancels_at = now
-            ended_ids = {r.job.id for r in ended}
-            running = {i: [c.seq.id for c in r.choices] for i, r in self.runs.items() if i not in ended_ids}
         for run in ended:
             del self.runs[run.job.id]
             for c in run.choices:
                 self.by_seq.pop(c.seq.id, None)
 
         def written(cancelled: set[str]) -> None:
+            # May run in the outbox's thread: a run's choices never change once it started, and engine.cancel
+            # takes effect at the engine's next step. A job not started yet stays in the set until it is.
             for job_id in cancelled:
-                for seq_id in running[job_id]:
-                    self.engine.cancel(seq_id)
+                run = self.runs.get(job_id)
+                for c in run.choices if run is not None else ():
+                    self.engine.cancel(c.seq.id)
             # Only now may the Celery task return (and ack): the job's final record is in Redis.
             for run in ended:
                 run.done.set()
 
-        if writes or running or ended:
+        # A step with nothing to publish (a long prompt's prefill) still reads the cancels of the jobs running.
+        if writes or self.runs:
             assert self.outbox is not None
-            self.outbox.put(writes, list(running), written)
+            self.outbox.put(writes, written)

@@ -69,7 +69,7 @@ INVALID = [
     ({"messages": LONG_PROMPT}, 400, BAD, "input_tokens"),
     ({"messages": M, "return_tokens_as_token_ids": True}, 400, BAD, "return_tokens_as_token_ids"),
     ({"messages": M, "audio": {"voice": "x"}}, 400, BAD, "audio"),
-    ({"messages": M, "request_id": "abc:cancel"}, 400, BAD, "request_id"),
+    ({"messages": M, "request_id": "abc:events"}, 400, BAD, "request_id"),
     ({"messages": M, "request_id": "x" * 129}, 400, BAD, "request_id"),
 ]
 

@@ -83,7 +83,7 @@ def test_cancel_stops_a_running_job(http: httpx.Client):
     assert cancelled["id"] == job["id"]
     at_cancel = cancelled["progress"]["completion_tokens"]
     final = wait_for(http, job["id"], lambda j: j["status"] == "cancelled", timeout=10)
-    # The worker drops the job within a step or two of seeing the flag; the count read at cancel time may lag by the
+    # The worker drops the job at its next step; the count read at cancel time may lag by the
     # quarter second between progress writes. A few tokens, not the remaining 1,900.
     assert final["progress"]["completion_tokens"] - at_cancel <= 10
     # Idempotent, and the stream of a cancelled job still ends.
@@ -97,7 +97,7 @@ def test_a_job_deleted_while_running_stays_deleted(http: httpx.Client, r: redis.
     wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 3)
     assert http.delete(f"/v1/chat/completions/{job['id']}").json()["deleted"] is True
 
-    # The worker sees the cancel flag at its next step and writes the job's end; none of it brings the record back.
+    # The worker sees the cancel at its next step and writes the job's end; none of it brings the record back.
     def ended() -> bool:
         last = r.xrevrange(keys.events(job["id"]), count=1)
         return bool(last) and json.loads(last[0][1]["msg"])["event"] == "done"

@@ -11,22 +11,27 @@ import redis
 
 from shared import keys
 from shared.embedded_redis import EmbeddedRedis
+from shared.jobs import CLAIM
 from shared.protocol import Event, EventKind, JobStatus
+from tests.helpers import cancel_job
 from worker.publish import JobEnd, Outbox, Publisher, StepWrites
+
+
+def publisher(settings, worker: str = "w@test", client: redis.Redis | None = None) -> Publisher:
+    client = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    return Publisher(client, settings, worker)
 
 
 def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = "chatcmpl-publish-test"
     r.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
-    r.set(keys.cancel(job_id), "1")
     p = r.pubsub()
     p.subscribe(keys.live(job_id))
     p.get_message(timeout=5)
-    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings.model_copy(update={"result_ttl": 30}))
+    pub = publisher(settings.model_copy(update={"result_ttl": 30}))
     events = [Event(seq=1, event=EventKind.chunk, data={"x": 1}), Event(seq=2, event=EventKind.done)]
-    cancelled = publisher.flush(StepWrites(events=[(job_id, e) for e in events]), running=[job_id])
-    assert cancelled == {job_id}
+    pub.flush(StepWrites(events=[(job_id, e) for e in events]))
     published = [json.loads(p.get_message(timeout=5)["data"]) for _ in events]
     logged = [json.loads(f["msg"]) for _, f in r.xrange(keys.events(job_id))]
     assert (
@@ -36,19 +41,38 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
     )
     assert [i for i, _ in r.xrange(keys.events(job_id))] == ["0-1", "0-2"]
 
-    publisher.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.completed, 7, result={"ok": True})]), running=[])
+    pub.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.completed, 7, result={"ok": True})]))
     assert r.hget(keys.job(job_id), "status") == "completed"
     assert r.hget(keys.job(job_id), "completion_tokens") == "7"
-    for key in (keys.job(job_id), keys.events(job_id), keys.cancel(job_id)):
+    for key in (keys.job(job_id), keys.events(job_id)):
         assert 0 < r.ttl(key) <= 30
+
+
+def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    mine, other, queued = "chatcmpl-cancel-mine", "chatcmpl-cancel-other", "chatcmpl-cancel-queued"
+    for job_id, worker in ((mine, "w@a"), (other, "w@b"), (queued, None)):
+        r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+        if worker:  # claimed as a worker claims
+            assert r.eval(CLAIM, 2, keys.job(job_id), keys.waiting("m"), worker, time.time(), job_id)
+    a, b = publisher(settings, "w@a"), publisher(settings, "w@b")
+    assert a.flush(StepWrites()) == set()
+    for job_id in (mine, other, queued):
+        cancel_job(settings, job_id)
+    # Each worker hears of its own job at its next write, whatever that step carries, and again until the job ends.
+    assert a.flush(StepWrites()) == a.flush(StepWrites(progress={mine: 3})) == {mine}
+    assert b.flush(StepWrites()) == {other}
+    assert r.hget(keys.job(queued), "status") == "cancelled"  # a queued job is cancelled where it waits
+    assert a.flush(StepWrites(ended=[JobEnd(mine, JobStatus.cancelled, 3)])) == set()
+    assert a.flush(StepWrites()) == set() and b.flush(StepWrites()) == {other}
 
 
 def test_a_job_deleted_while_running_stays_deleted(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = "chatcmpl-publish-deleted"
-    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings)
-    publisher.flush(StepWrites(progress={job_id: 3}), running=[])
-    publisher.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.cancelled, 4)]), running=[])
+    pub = publisher(settings)
+    pub.flush(StepWrites(progress={job_id: 3}))
+    pub.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.cancelled, 4)]))
     assert not r.exists(keys.job(job_id))
 
 
@@ -56,8 +80,8 @@ def test_a_job_deleted_while_running_stays_deleted(settings):
 def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, threaded):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = f"chatcmpl-outbox-test-{threaded}"
-    r.set(keys.cancel(job_id), "1")
-    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings), threaded=threaded)
+    worker = f"w@outbox-{threaded}"
+    outbox = Outbox(publisher(settings, worker), threaded=threaded)
     seen: list[tuple[int, int, set[str]]] = []
     for seq in range(1, 51):
         step = StepWrites(events=[(job_id, Event(seq=seq, event=EventKind.chunk, data={"n": seq}))])
@@ -65,26 +89,31 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
         def written(cancelled: set[str], seq: int = seq) -> None:
             seen.append((seq, r.xlen(keys.events(job_id)), cancelled))
 
-        outbox.put(step, [job_id] if seq == 50 else [], written)
+        if seq == 50:
+            r.sadd(keys.cancels(worker), job_id)
+        outbox.put(step, written)
     outbox.close()
     # Each step is in the log by the time it is reported, and the reports come in step order.
     assert [(s, n) for s, n, _ in seen] == [(s, s) for s in range(1, 51)]
-    assert seen[-1][2] == {job_id} and not any(c for _, _, c in seen[:-1])
+    # The cancel, set just before the last step was handed over, reaches that step's report and at most the reports
+    # of the steps still queued (threaded) before it.
+    reported = [s for s, _, c in seen if c == {job_id}]
+    assert reported == list(range(reported[0], 51)) and reported[0] >= 50 - (3 if threaded else 0)
     assert [i for i, _ in r.xrange(keys.events(job_id))] == [f"0-{s}" for s in range(1, 51)]
 
 
 def test_a_step_sent_again_is_written_and_published_once(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = "chatcmpl-publish-twice"
-    publisher = Publisher(redis.Redis.from_url(settings.redis_url), settings)
+    pub = publisher(settings)
     listener = r.pubsub()
     listener.subscribe(keys.live(job_id))
     assert listener.get_message(timeout=5)["type"] == "subscribe"
     step = StepWrites(events=[(job_id, Event(seq=s, event=EventKind.chunk, data={"n": s})) for s in (1, 2)])
-    publisher.flush(step, [])
-    publisher.flush(step, [])  # as after a reply lost on its way back
+    pub.flush(step)
+    pub.flush(step)  # as after a reply lost on its way back
     again = StepWrites(events=[(job_id, Event(seq=s, event=EventKind.chunk, data={"n": s})) for s in (2, 3)])
-    publisher.flush(again, [])  # overlapping: only the new event goes out
+    pub.flush(again)  # overlapping: only the new event goes out
     got = []
     while (m := listener.get_message(timeout=0.2)) is not None:
         got.append(Event.from_json(m["data"]).seq)
@@ -97,12 +126,12 @@ def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
     server = EmbeddedRedis(tmp_path, persist=False).start()
     port = server.port
     client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
-    outbox = Outbox(Publisher(client, settings), threaded=threaded)
+    outbox = Outbox(publisher(settings, client=client), threaded=threaded)
     server.stop()
     written = threading.Event()
     step = StepWrites(events=[("chatcmpl-retry", Event(seq=1, event=EventKind.done))])
     # Inline, put itself waits for Redis: call it from the thread an engine would.
-    threading.Thread(target=outbox.put, args=(step, [], lambda _: written.set()), daemon=True).start()
+    threading.Thread(target=outbox.put, args=(step, lambda _: written.set()), daemon=True).start()
     time.sleep(0.5)
     assert not written.is_set()
     server = EmbeddedRedis(tmp_path, persist=False)
@@ -119,14 +148,12 @@ def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
 def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
     server = EmbeddedRedis(tmp_path, persist=False).start()
     client = redis.Redis(port=server.port, decode_responses=True)
-    outbox = Outbox(Publisher(client, settings), threaded=True)
+    outbox = Outbox(publisher(settings, client=client), threaded=True)
     try:
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 1)  # below what it uses: every write is refused
         written = threading.Event()
-        outbox.put(
-            StepWrites(events=[("chatcmpl-oom", Event(seq=1, event=EventKind.done))]), [], lambda _: written.set()
-        )
+        outbox.put(StepWrites(events=[("chatcmpl-oom", Event(seq=1, event=EventKind.done))]), lambda _: written.set())
         time.sleep(0.5)
         assert not written.is_set()
         client.config_set("maxmemory", 0)
@@ -143,12 +170,12 @@ def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(setti
     job_id = f"chatcmpl-refused-{threaded}"
     r.set(keys.events(job_id), "not a stream")
     refused, gone = threading.Event(), threading.Event()
-    outbox = Outbox(Publisher(redis.Redis.from_url(settings.redis_url), settings), threaded=threaded)
-    outbox.put(StepWrites(events=[(job_id, Event(seq=1, event=EventKind.done))]), [], lambda _: refused.set())
+    outbox = Outbox(publisher(settings), threaded=threaded)
+    outbox.put(StepWrites(events=[(job_id, Event(seq=1, event=EventKind.done))]), lambda _: refused.set())
     outbox.close()
-    unreachable = Outbox(Publisher(redis.Redis(port=1, socket_connect_timeout=0.2), settings), threaded=threaded)
+    unreachable = Outbox(publisher(settings, client=redis.Redis(port=1, socket_connect_timeout=0.2)), threaded=threaded)
     step = StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))])
-    threading.Thread(target=unreachable.put, args=(step, [], lambda _: gone.set()), daemon=True).start()
+    threading.Thread(target=unreachable.put, args=(step, lambda _: gone.set()), daemon=True).start()
     time.sleep(0.3)
     unreachable.close()
     # Each job's task is released (it would otherwise hold its Celery slot forever); the errors are logged.

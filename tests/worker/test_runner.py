@@ -13,10 +13,13 @@ from bench.zero_engine import ZeroEngine
 from shared import keys
 from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
 from shared.settings import Settings
+from tests.helpers import cancel_job
 from worker import runner as runner_module
 from worker.engine import Finish, Output
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
+
+WORKER = "runner-test@host"
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +177,7 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         lambda: engine,
         decoder.tokenizer,
         [2],
-        Publisher(redis.Redis.from_url(settings.redis_url), settings),
+        Publisher(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings, WORKER),
         10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
@@ -197,11 +200,11 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id}) for job_id in (good, bad, broken)
     ] + [job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled})]
     for j in jobs:  # as the API's submit and a worker's claim leave them
-        r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress"})
+        r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
     runner.start()
     try:
         runs = [runner.submit(j) for j in jobs]
-        r.set(keys.cancel(cancelled), "1")
+        cancel_job(settings, cancelled)
         assert all(run.done.wait(30) for run in runs)
     finally:
         runner.stop()
@@ -230,3 +233,31 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         JobStatus.failed,
         JobStatus.cancelled,
     ]
+
+
+def test_a_cancel_takes_effect_at_the_next_step(decoder, settings, r):
+    """However short the steps: a zero-cost engine makes one a millisecond or so here."""
+    engine = ZeroEngine(ids(decoder, " hello")[0])
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    runner = Runner(
+        lambda: engine, decoder.tokenizer, [2], Publisher(client, settings, WORKER), 10**7, settings=settings
+    )
+    j = job(stream=True, max_tokens=10**6).model_copy(update={"id": "chatcmpl-runner-next-step"})
+    r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
+
+    def tokens() -> int:
+        return sum(1 for _, f in r.xrange(keys.events(j.id)) if '"content":" hello"' in f["msg"])
+
+    runner.start()
+    try:
+        run = runner.submit(j)
+        while tokens() < 50:
+            pass
+        cancel_job(settings, j.id)
+        at_cancel = tokens()
+        assert run.done.wait(10)
+    finally:
+        runner.stop()
+    # At most the step under way when the cancel landed, and the one whose write had just missed it.
+    assert tokens() - at_cancel <= 2
+    assert r.hget(keys.job(j.id), "status") == "cancelled" and not r.sismember(keys.cancels(WORKER), j.id)
