@@ -19,19 +19,24 @@ redis.call('LPUSH', KEYS[3], ARGV[3])
 return redis.call('ZRANK', KEYS[2], ARGV[1])
 """
 
-# KEYS: job, waiting zset. ARGV: worker name, now, job id. Returns the claimed record (HGETALL's field/value list),
-# empty when the job is not this worker's to run: the claim and the read are one round trip.
+# KEYS: job, waiting zset, the claiming worker's cancel set. ARGV: worker name, now, job id. Returns the claimed
+# record (HGETALL's field/value list), empty when the job is not this worker's to run: the claim and the read are one
+# round trip. A cancel recorded for this id before this claim was for an earlier job of the same id (deleted, then
+# submitted again with the same request_id): it must not stop this one.
 CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return {} end
 redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('SREM', KEYS[3], ARGV[3])
 return redis.call('HGETALL', KEYS[1])
 """
 
 # KEYS: job, events, live, waiting zset. ARGV: ttl, done message, job id, keys.cancels("").
 # A queued job is cancelled here and its log closed. A running one is named in its worker's cancel set, which that
 # worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
+# The set's name is completed here from the record (the holding worker is only known once read), so the script names
+# a key it was not given: fine on one Redis server, not on a Redis Cluster.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return nil end
@@ -43,10 +48,9 @@ if status == 'queued' then
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
-  if worker then
-    redis.call('SADD', ARGV[4] .. worker, ARGV[3])
-    redis.call('EXPIRE', ARGV[4] .. worker, ARGV[1])
-  end
+  if not worker then return redis.error_reply('ERR running job ' .. ARGV[3] .. ' names no worker') end
+  redis.call('SADD', ARGV[4] .. worker, ARGV[3])
+  redis.call('EXPIRE', ARGV[4] .. worker, ARGV[1])
 end
 return status
 """
@@ -54,19 +58,24 @@ return status
 # One call per engine step for every event of every job: KEYS come in pairs (a job's event log, its live channel),
 # ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published. An event
 # already in the log (its id is not above the log's last) is skipped, so a step sent again after a lost reply is
-# written and published once.
+# written and published once. A log that can never take an entry (its key holds another type) costs its job the
+# replay, not the other jobs their events: the event is still published, and the key is returned. Any other
+# refusal (out of memory, a read-only replica) stops the step, which the worker sends again.
 PUBLISH_EVENTS = """
-local written = 0
+local refused = {}
 for i = 1, #KEYS, 2 do
   local added = redis.pcall('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
-  if type(added) == 'table' and added.err then
-    if not string.find(added.err, 'equal or smaller', 1, true) then return redis.error_reply(added.err) end
-  else
+  local err = type(added) == 'table' and added.err
+  if not err then
     redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
-    written = written + 1
+  elseif string.sub(err, 1, 9) == 'WRONGTYPE' then
+    refused[#refused + 1] = KEYS[i]
+    redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
+  elseif not string.find(err, 'equal or smaller', 1, true) then
+    return redis.error_reply(err)
   end
 end
-return written
+return refused
 """
 
 # KEYS: job. ARGV: ttl in seconds (0: keep the record's expiry), then field/value pairs. How a worker writes a job's

@@ -98,7 +98,8 @@ def _heartbeat(state: WorkerState) -> None:
 def generate(job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
     r = _state.redis
-    record = r.eval(CLAIM, 2, keys.job(job_id), keys.waiting(settings.model_name), _state.name, time.time(), job_id)
+    claim_keys = (keys.job(job_id), keys.waiting(settings.model_name), keys.cancels(_state.name))
+    record = r.eval(CLAIM, len(claim_keys), *claim_keys, _state.name, time.time(), job_id)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
     job = Job.from_redis(dict(zip(record[::2], record[1::2], strict=True)))

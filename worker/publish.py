@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
 # or a primary failing over. Anything else it refuses, such as a key of the wrong type, would never land, and
-# waiting for it would stall every job of the worker; such a step is logged and given up, and a stream that
-# meets a later event of its job ends with an error at the gap (api/relay.py).
+# waiting for it would stall every job of the worker; such a command is logged and given up while the rest of its
+# step stands, and a stream that meets a later event of its job ends with an error at the gap (api/relay.py).
 RETRIED = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -67,6 +67,7 @@ class Publisher:
         self.redis = client
         self.ttl = settings.result_ttl
         self.cancels = keys.cancels(worker)
+        self._refused: set[str] = set()  # event logs already reported as unwritable
 
     def flush(self, writes: StepWrites) -> set[str]:
         """Sends one step's writes; returns the ids of the worker's jobs that clients cancelled and that had not
@@ -106,7 +107,25 @@ class Publisher:
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
         # the step after the one it arrived during.
         pipe.smembers(self.cancels)
-        return set(pipe.execute()[-1])
+        # Each command's error in its place, so one refused command neither hides the others' replies (the cancels)
+        # nor makes the step look unwritten when the rest landed.
+        results = pipe.execute(raise_on_error=False)
+        errors = [r for r in results if isinstance(r, Exception)]
+        for error in errors:
+            if isinstance(error, RETRIED):
+                raise error  # the whole step is sent again: what already landed is skipped or written the same
+        if errors:
+            log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
+        if writes.events and isinstance(results[0], list):
+            refused = set(results[0]) - self._refused
+            if refused:
+                log.error(
+                    "event logs holding another type of value: their jobs' events are published only: %s", refused
+                )
+            self._refused |= refused
+        self._refused -= {keys.events(end.job_id) for end in writes.ended}
+        cancels = results[-1]
+        return set() if isinstance(cancels, Exception) else {c if isinstance(c, str) else c.decode() for c in cancels}
 
 
 class Outbox:

@@ -48,13 +48,19 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
         assert 0 < r.ttl(key) <= 30
 
 
+def claim(r: redis.Redis, job_id: str, worker: str) -> list[str]:
+    """As worker.celery_app's task claims a job."""
+    claim_keys = (keys.job(job_id), keys.waiting("m"), keys.cancels(worker))
+    return r.eval(CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id)  # type: ignore[return-value]
+
+
 def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     mine, other, queued = "chatcmpl-cancel-mine", "chatcmpl-cancel-other", "chatcmpl-cancel-queued"
     for job_id, worker in ((mine, "w@a"), (other, "w@b"), (queued, None)):
         r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
-        if worker:  # claimed as a worker claims
-            assert r.eval(CLAIM, 2, keys.job(job_id), keys.waiting("m"), worker, time.time(), job_id)
+        if worker:
+            assert claim(r, job_id, worker)
     a, b = publisher(settings, "w@a"), publisher(settings, "w@b")
     assert a.flush(StepWrites()) == set()
     for job_id in (mine, other, queued):
@@ -65,6 +71,13 @@ def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
     assert r.hget(keys.job(queued), "status") == "cancelled"  # a queued job is cancelled where it waits
     assert a.flush(StepWrites(ended=[JobEnd(mine, JobStatus.cancelled, 3)])) == set()
     assert a.flush(StepWrites()) == set() and b.flush(StepWrites()) == {other}
+
+    # The job is deleted while its worker is gone, and its id submitted again: the new job is not cancelled for it.
+    cancel_job(settings, other)
+    r.delete(keys.job(other))
+    r.hset(keys.job(other), mapping={"id": other, "status": "queued"})
+    assert claim(r, other, "w@b")
+    assert b.flush(StepWrites()) == set()
 
 
 def test_a_job_deleted_while_running_stays_deleted(settings):
@@ -168,15 +181,40 @@ def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
 def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(settings, threaded):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = f"chatcmpl-refused-{threaded}"
-    r.set(keys.events(job_id), "not a stream")
+    r.set(keys.job(job_id), "not a hash")
     refused, gone = threading.Event(), threading.Event()
     outbox = Outbox(publisher(settings), threaded=threaded)
-    outbox.put(StepWrites(events=[(job_id, Event(seq=1, event=EventKind.done))]), lambda _: refused.set())
+    step = StepWrites(
+        events=[(job_id, Event(seq=1, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.completed, 1)]
+    )
+    outbox.put(step, lambda _: refused.set())
     outbox.close()
     unreachable = Outbox(publisher(settings, client=redis.Redis(port=1, socket_connect_timeout=0.2)), threaded=threaded)
     step = StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))])
     threading.Thread(target=unreachable.put, args=(step, lambda _: gone.set()), daemon=True).start()
     time.sleep(0.3)
     unreachable.close()
-    # Each job's task is released (it would otherwise hold its Celery slot forever); the errors are logged.
+    # Each job's task is released (it would otherwise hold its Celery slot forever); the errors are logged. What
+    # Redis did take of the refused step stands.
     assert refused.wait(5) and gone.wait(5)
+    assert r.xlen(keys.events(job_id)) == 1
+
+
+def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    broken, fine = "chatcmpl-broken-log", "chatcmpl-fine-log"
+    r.set(keys.events(broken), "not a stream")
+    worker = "w@broken-log"
+    r.sadd(keys.cancels(worker), fine)
+    listener = r.pubsub()
+    listener.subscribe(keys.live(broken), keys.live(fine))
+    for _ in range(2):
+        assert listener.get_message(timeout=5)["type"] == "subscribe"
+    step = StepWrites(
+        events=[(job_id, Event(seq=1, event=EventKind.chunk, data={"n": 1})) for job_id in (broken, fine)]
+    )
+    # The cancels are read whatever else the step met.
+    assert publisher(settings, worker).flush(step) == {fine}
+    live = [listener.get_message(timeout=5) for _ in range(2)]
+    assert sorted(m["channel"] for m in live) == sorted([keys.live(broken), keys.live(fine)])
+    assert r.xlen(keys.events(fine)) == 1 and r.type(keys.events(broken)) == "string"
