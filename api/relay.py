@@ -203,10 +203,17 @@ class Relay:
             del self._channels[name]
             self._subscriber.unsubscribe(name)
 
-    async def _log(self, job_id: str, after: int) -> list[Event]:
-        entries: list[tuple[str, dict[str, str]]] = await self.redis.xrange(  # type: ignore[assignment]
-            keys.events(job_id), min=f"0-{after + 1}"
-        )
+    async def _log(self, job_id: str, after: int) -> list[Event] | None:
+        """The job's logged events after `after`; None if its log's key holds another type of value, so the log
+        will never be read (the worker still publishes the job's events live)."""
+        try:
+            entries: list[tuple[str, dict[str, str]]] = await self.redis.xrange(  # type: ignore[assignment]
+                keys.events(job_id), min=f"0-{after + 1}"
+            )
+        except aioredis.ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                raise
+            return None
         return [Event.from_json(fields["msg"]) for _, fields in entries]
 
     async def batches(self, job_id: str, after: int = 0) -> AsyncIterator[list[Event]]:
@@ -218,6 +225,9 @@ class Relay:
             last = after
             backlog, from_log = await self._log(job_id, last), True
             while True:
+                if backlog is None:  # what this stream lacks is only in a log that cannot be read
+                    yield lost(last)
+                    return
                 batch, gap = [], False
                 for event in backlog:
                     if event.seq <= last:

@@ -107,6 +107,36 @@ def test_a_stream_missing_an_event_ends_with_an_error_instead_of_waiting(setting
 
 
 @pytest.mark.timeout(30)
+def test_a_job_whose_log_was_overwritten_reaches_its_live_streams_and_fails_later_ones(
+    settings: Settings, r: redis.Redis
+) -> None:
+    job = "chatcmpl-relay-clobbered"
+
+    async def main() -> list[list[Event]]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        relay = Relay(client, settings.redis_url)
+        live = asyncio.create_task(events(relay, job))
+        await until_subscribed(client, keys.live(job))
+        publish(r, job, 1, 2, last=4)
+        await asyncio.sleep(0.1)
+        r.delete(keys.events(job))
+        r.set(keys.events(job), "not a stream")
+        publish(r, job, 3, 4, last=4)
+        out = [await live, await events(relay, job)]
+        await client.aclose()
+        return out
+
+    live, late = asyncio.run(main())
+    assert [(e.seq, e.event) for e in live] == [
+        (1, EventKind.chunk),
+        (2, EventKind.chunk),
+        (3, EventKind.chunk),
+        (4, EventKind.done),
+    ]
+    assert [(e.seq, e.event) for e in late] == [(0, EventKind.error), (0, EventKind.done)]
+
+
+@pytest.mark.timeout(30)
 def test_a_password_protected_redis(tmp_path) -> None:
     server = EmbeddedRedis(tmp_path, persist=False).start()
     job = "chatcmpl-relay-auth"
