@@ -4,6 +4,7 @@ happened to the pub/sub connection or to when the stream started."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis
@@ -84,26 +85,39 @@ def test_late_and_resumed_streams_replay_the_log(settings: Settings, r: redis.Re
     assert resumed == [3, 4, 5, 6]
 
 
-@pytest.mark.timeout(30)
-def test_a_stream_missing_an_event_ends_with_an_error_instead_of_waiting(settings: Settings, r: redis.Redis) -> None:
-    job = "chatcmpl-relay-lost"
+def follow_then_read(
+    settings: Settings, job: str, during: Callable[[], Awaitable[None]], *afters: int
+) -> list[list[Event]]:
+    """The events of a stream that follows `job` live while `during` runs, then of streams started afterwards from
+    each of `afters`."""
 
     async def main() -> list[list[Event]]:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
         relay = Relay(client, settings.redis_url)
         live = asyncio.create_task(events(relay, job))
         await until_subscribed(client, keys.live(job))
-        publish(r, job, 1, 2, last=5)
-        publish(r, job, 4, 5, last=5)  # a step with event 3 never landed
-        out = [await live, await events(relay, job), await events(relay, job, after=2)]
+        await during()
+        out = [await live] + [await events(relay, job, after) for after in afters]
         await client.aclose()
         return out
 
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_missing_an_event_ends_with_an_error_instead_of_waiting(settings: Settings, r: redis.Redis) -> None:
+    job = "chatcmpl-relay-lost"
+
+    async def steps() -> None:
+        publish(r, job, 1, 2, last=5)
+        publish(r, job, 4, 5, last=5)  # a step with event 3 never landed
+
     chunks = [(1, EventKind.chunk), (2, EventKind.chunk)]
     # Followed live, read from the log afterwards, resumed at the gap.
-    for got, before in zip(asyncio.run(main()), [chunks, chunks, []], strict=True):
-        assert [(e.seq, e.event) for e in got] == [*before, (2, EventKind.error), (2, EventKind.done)]
-        assert got[-2].data is not None and got[-2].data["error"]["code"] == 500
+    got = follow_then_read(settings, job, steps, 0, 2)
+    for stream, before in zip(got, [chunks, chunks, []], strict=True):
+        assert [(e.seq, e.event) for e in stream] == [*before, (2, EventKind.error), (2, EventKind.done)]
+        assert stream[-2].data is not None and stream[-2].data["error"]["code"] == 500
 
 
 @pytest.mark.timeout(30)
@@ -112,27 +126,15 @@ def test_a_job_whose_log_was_overwritten_reaches_its_live_streams_and_fails_late
 ) -> None:
     job = "chatcmpl-relay-clobbered"
 
-    async def main() -> list[list[Event]]:
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
-        relay = Relay(client, settings.redis_url)
-        live = asyncio.create_task(events(relay, job))
-        await until_subscribed(client, keys.live(job))
+    async def steps() -> None:
         publish(r, job, 1, 2, last=4)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the live stream has read the log and follows the channel
         r.delete(keys.events(job))
         r.set(keys.events(job), "not a stream")
         publish(r, job, 3, 4, last=4)
-        out = [await live, await events(relay, job)]
-        await client.aclose()
-        return out
 
-    live, late = asyncio.run(main())
-    assert [(e.seq, e.event) for e in live] == [
-        (1, EventKind.chunk),
-        (2, EventKind.chunk),
-        (3, EventKind.chunk),
-        (4, EventKind.done),
-    ]
+    live, late = follow_then_read(settings, job, steps, 0)
+    assert [(e.seq, e.event) for e in live] == [(s, EventKind.chunk) for s in (1, 2, 3)] + [(4, EventKind.done)]
     assert [(e.seq, e.event) for e in late] == [(0, EventKind.error), (0, EventKind.done)]
 
 
