@@ -60,11 +60,12 @@ class JobStore:
     async def get(self, job_id: str) -> Job:
         self._check(job_id)
         h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
-        if not h:
+        if not h or "deleted" in h:  # a deleted job whose run is still stopping
             raise JobNotFound(job_id)
         return Job.from_redis(h)
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, delete: bool = False) -> None:
+        """Cancels the job if it has not ended; `delete` also removes it (see shared.jobs.CANCEL)."""
         self._check(job_id)
         done = Event(seq=1, event=EventKind.done).to_json()
         status = await self._cancel(
@@ -74,14 +75,13 @@ class JobStore:
                 keys.live(job_id),
                 keys.waiting(self.settings.model_name),  # the one model this API serves
             ],
-            args=[self.settings.result_ttl, done, job_id, keys.cancels("")],
+            args=[self.settings.result_ttl, done, job_id, keys.cancels(""), "1" if delete else "0"],
         )
         if status is None:
             raise JobNotFound(job_id)
 
     async def delete(self, job_id: str) -> None:
-        await self.cancel(job_id)
-        await self.redis.delete(keys.job(job_id), keys.events(job_id))
+        await self.cancel(job_id, delete=True)
 
     async def queue_position(self, job: Job) -> int | None:
         rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]

@@ -2,7 +2,7 @@
 
 Run from the repository root (the script puts the root on sys.path; `python -m bench.queue_overhead` works too):
 
-    .venv/bin/python bench/queue_overhead.py [--rate 100] [--duration 10] [--streams 200] [--stream-tokens 500]
+    .venv/bin/python bench/queue_overhead.py [--rate 100] [--duration 10] [--streams 200] [--stream-tokens 2000]
                                              [--out results.json] [--keep-logs]
 
 The worker is bench/zero_worker.py: the product's Celery app, task and Runner around an engine that emits one
@@ -19,9 +19,11 @@ token (" hello") per sequence per step instantly, so whatever time a request tak
    delivery, the worker's bookkeeping, claim, step write, pub/sub, ack), so on a machine where one round trip takes
    0.2 ms that floor alone is a few milliseconds.
 2. relay: --streams concurrent streams of --stream-tokens instant tokens each; relayed chunks/s = SSE data frames
-   received by all clients / wall time, beside the events the worker published per second and its engine loop
-   (steps/s, tokens per step, time per step and the part of it in Publisher.flush) and its full garbage collections
-   (how many, and how long they stopped it in all), from bench/zero_worker.py's counters.
+   received by all clients / wall time. The streams must be long enough to run at once: the zero-cost engine makes
+   500 tokens in about two seconds, less than the worker takes to start 200 jobs here, so at 500 tokens an engine
+   step carried 55-87 streams on average, at 2,000 about 150. Beside it: the events the worker published per second,
+   its engine loop (steps/s, tokens per step, time per step and the part of it in Publisher.flush) and its full
+   garbage collections (how many, and how long they stopped it in all), from bench/zero_worker.py's counters.
 Every phase prints the CPU each process used, as % of one core (a process near 100% is the bottleneck; on a shared
 machine, low numbers everywhere with high latency mean the processes were waiting for a CPU) and as CPU time per
 request or relayed frame, which bounds the rate one core can sustain whatever else runs on the machine.
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100, help="requests per second in the latency phases")
     parser.add_argument("--duration", type=float, default=10, help="seconds of arrivals in each latency phase")
     parser.add_argument("--streams", type=int, default=200, help="concurrent streams in the relay phase")
-    parser.add_argument("--stream-tokens", type=int, default=500, help="max_tokens of each relay-phase stream")
+    parser.add_argument("--stream-tokens", type=int, default=2000, help="max_tokens of each relay-phase stream")
     parser.add_argument("--out", help="also write the results as JSON here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (path printed at the end)")
     args = parser.parse_args(argv)

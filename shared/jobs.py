@@ -32,14 +32,17 @@ redis.call('SREM', KEYS[3], ARGV[3])
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: job, events, live, waiting zset. ARGV: ttl, done message, job id, keys.cancels("").
+# KEYS: job, events, live, waiting zset. ARGV: ttl, done message, job id, keys.cancels(""), "1" to delete the job.
 # A queued job is cancelled here and its log closed. A running one is named in its worker's cancel set, which that
 # worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
 # The set's name is completed here from the record (the holding worker is only known once read), so the script names
 # a key it was not given: fine on one Redis server, not on a Redis Cluster.
+# Deleted, a job is gone for readers at once. A running one's record and log stay, hidden, until its worker's last
+# write removes them (or they expire, should that write never come): until then its id is taken, so a job submitted
+# again under it cannot meet the old run's writes in its own log. Returns the status, nil for no such job.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return nil end
+if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
   redis.call('ZREM', KEYS[4], ARGV[3])
@@ -52,6 +55,14 @@ elseif status == 'in_progress' then
   redis.call('SADD', ARGV[4] .. worker, ARGV[3])
   redis.call('EXPIRE', ARGV[4] .. worker, ARGV[1])
 end
+if ARGV[5] == '1' then
+  if status == 'in_progress' then
+    redis.call('HSET', KEYS[1], 'deleted', '1')
+    for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  else
+    redis.call('DEL', KEYS[1], KEYS[2])
+  end
+end
 return status
 """
 
@@ -59,13 +70,19 @@ return status
 # ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published. An event
 # already in the log (its id is not above the log's last) is skipped, so a step sent again after a lost reply is
 # written and published once. A log that can never take an entry (its key holds another type) costs its job the
-# replay, not the other jobs their events: the event is still published, and the key is returned. Any other
-# refusal (out of memory, a read-only replica) stops the step, which the worker sends again.
+# replay, not the other jobs their events: the event is still published (again each time the step is sent again:
+# readers drop what they already have by its number), and the key is returned. Any other refusal (out of memory, a
+# read-only replica) stops the step, which the worker sends again.
 PUBLISH_EVENTS = """
 local refused = {}
 for i = 1, #KEYS, 2 do
   local added = redis.pcall('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
   local err = type(added) == 'table' and added.err
+  if err then
+    -- Redis 6 words a refusal raised inside a script "@user_script: 4: -READONLY ...": keep "READONLY ...", whose
+    -- first word is what clients read the kind of error from.
+    err = err:gsub('^@[^:]*:%s*%d+:%s*', ''):gsub('^%-', ''):gsub('%s+$', '')
+  end
   if not err then
     redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
   elseif string.sub(err, 1, 9) == 'WRONGTYPE' then
@@ -78,11 +95,16 @@ end
 return refused
 """
 
-# KEYS: job. ARGV: ttl in seconds (0: keep the record's expiry), then field/value pairs. How a worker writes a job's
-# record: one deleted meanwhile (DELETE of a running job) stays deleted, instead of coming back holding only the
-# fields written here, which no reader could make a job of.
+# KEYS: job, events. ARGV: ttl in seconds for the job's last write (0: a progress write, which keeps the record's
+# expiry), then field/value pairs. How a worker writes a job's record. A record deleted meanwhile (DELETE of a running
+# job) is not written: a record gone stays gone, instead of coming back holding only the fields written here, which no
+# reader could make a job of; one hidden by DELETE is removed with the job's log at its last write.
 UPDATE_RECORD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
+  if ARGV[1] ~= '0' then redis.call('DEL', KEYS[1], KEYS[2]) end
+  return 0
+end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 if ARGV[1] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return 1

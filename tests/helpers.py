@@ -79,13 +79,13 @@ def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
     return jobs, queued, r.zcard(keys.waiting(model))
 
 
-def cancel_job(settings: Settings, job_id: str) -> None:
-    """The API's cancel of a job, without HTTP."""
+def cancel_job(settings: Settings, job_id: str, delete: bool = False) -> None:
+    """The API's cancel (or delete) of a job, without HTTP."""
 
     async def cancel() -> None:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
         try:
-            await JobStore(client, make_celery(settings), settings).cancel(job_id)
+            await JobStore(client, make_celery(settings), settings).cancel(job_id, delete)
         finally:
             await client.aclose()
 

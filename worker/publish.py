@@ -86,7 +86,7 @@ class Publisher:
                 args += [f"0-{event.seq}", event.to_json()]
             pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
         for job_id, tokens in writes.progress.items():
-            pipe.eval(UPDATE_RECORD, 1, keys.job(job_id), 0, "completion_tokens", tokens)
+            pipe.eval(UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), 0, "completion_tokens", tokens)
             # Refreshed while the job runs, so the log of a job whose worker vanished still expires.
             pipe.expire(keys.events(job_id), self.ttl)
         now = str(time.time())
@@ -100,7 +100,8 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            pipe.eval(UPDATE_RECORD, 1, keys.job(end.job_id), self.ttl, *(x for pair in fields.items() for x in pair))
+            record = (keys.job(end.job_id), keys.events(end.job_id))
+            pipe.eval(UPDATE_RECORD, 2, *record, self.ttl, *(x for pair in fields.items() for x in pair))
             pipe.expire(keys.events(end.job_id), self.ttl)
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))

@@ -92,23 +92,32 @@ def test_cancel_stops_a_running_job(http: httpx.Client):
     assert fs[-1].data == "[DONE]"
 
 
-def test_a_job_deleted_while_running_stays_deleted(http: httpx.Client, r: redis.Redis):
-    job = submit(http, 2000, stop=[])
+def test_a_job_deleted_while_running_stays_deleted_and_its_id_can_be_used_again(http: httpx.Client, r: redis.Redis):
+    job = submit(http, 2000, stop=[], request_id="deleted-while-running")
     wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 3)
     assert http.delete(f"/v1/chat/completions/{job['id']}").json()["deleted"] is True
-
-    # The worker sees the cancel at its next step and writes the job's end; none of it brings the record back.
-    def ended() -> bool:
-        last = r.xrevrange(keys.events(job["id"]), count=1)
-        return bool(last) and json.loads(last[0][1]["msg"])["event"] == "done"
-
-    deadline = time.time() + 10
-    while not ended():
-        assert time.time() < deadline, "the worker never ended the deleted job"
-        time.sleep(0.05)
-    assert not r.exists(keys.job(job["id"]))
-    for method, suffix in (("GET", ""), ("POST", "/cancel"), ("DELETE", "")):
+    for method, suffix in (("GET", ""), ("POST", "/cancel"), ("DELETE", ""), ("GET", "?stream=true")):
         assert http.request(method, f"/v1/chat/completions/{job['id']}{suffix}").status_code == 404
+
+    # The id is taken until the worker stopped the run (at its next step), then free, and the record and log are gone.
+    deadline = time.time() + 10
+    body = {
+        "messages": LONG,
+        "max_tokens": 8,
+        "temperature": 0,
+        "background": True,
+        "request_id": "deleted-while-running",
+    }
+    while (again := http.post("/v1/chat/completions", json=body)).status_code == 409:
+        assert time.time() < deadline, "the deleted job's id was never freed"
+        time.sleep(0.02)
+    assert again.status_code == 202, again.text
+    # The new job's log is its own: numbered from 1, with none of the old run's events.
+    done = wait_for(http, job["id"], lambda j: j["status"] == "completed")
+    assert done["progress"]["completion_tokens"] == 8
+    fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true"})
+    assert [f.id for f in fs] == list(range(1, len(fs) + 1))
+    assert content_of(fs) == done["choices"][0]["message"]["content"]
 
 
 def test_client_disconnect_cancels_a_streamed_job(http: httpx.Client):

@@ -86,17 +86,24 @@ def test_late_and_resumed_streams_replay_the_log(settings: Settings, r: redis.Re
 
 
 def follow_then_read(
-    settings: Settings, job: str, during: Callable[[], Awaitable[None]], *afters: int
+    settings: Settings, job: str, during: Callable[[list[Event]], Awaitable[None]], *afters: int
 ) -> list[list[Event]]:
-    """The events of a stream that follows `job` live while `during` runs, then of streams started afterwards from
-    each of `afters`."""
+    """The events of a stream that follows `job` live while `during` runs (given the list they arrive in), then of
+    streams started afterwards from each of `afters`."""
 
     async def main() -> list[list[Event]]:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
         relay = Relay(client, settings.redis_url)
-        live = asyncio.create_task(events(relay, job))
+        seen: list[Event] = []
+
+        async def follow() -> list[Event]:
+            async for event in relay.events(job):
+                seen.append(event)
+            return seen
+
+        live = asyncio.create_task(follow())
         await until_subscribed(client, keys.live(job))
-        await during()
+        await during(seen)
         out = [await live] + [await events(relay, job, after) for after in afters]
         await client.aclose()
         return out
@@ -108,7 +115,7 @@ def follow_then_read(
 def test_a_stream_missing_an_event_ends_with_an_error_instead_of_waiting(settings: Settings, r: redis.Redis) -> None:
     job = "chatcmpl-relay-lost"
 
-    async def steps() -> None:
+    async def steps(_: list[Event]) -> None:
         publish(r, job, 1, 2, last=5)
         publish(r, job, 4, 5, last=5)  # a step with event 3 never landed
 
@@ -126,9 +133,10 @@ def test_a_job_whose_log_was_overwritten_reaches_its_live_streams_and_fails_late
 ) -> None:
     job = "chatcmpl-relay-clobbered"
 
-    async def steps() -> None:
+    async def steps(seen: list[Event]) -> None:
         publish(r, job, 1, 2, last=4)
-        await asyncio.sleep(0.1)  # the live stream has read the log and follows the channel
+        while len(seen) < 2:  # until the live stream has read the log and follows the channel
+            await asyncio.sleep(0.01)
         r.delete(keys.events(job))
         r.set(keys.events(job), "not a stream")
         publish(r, job, 3, 4, last=4)

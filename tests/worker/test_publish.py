@@ -80,11 +80,26 @@ def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
     assert b.flush(StepWrites()) == set()
 
 
-def test_a_job_deleted_while_running_stays_deleted(settings):
+def test_a_job_deleted_while_running_goes_with_its_last_write(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    job_id = "chatcmpl-publish-deleted"
-    pub = publisher(settings)
-    pub.flush(StepWrites(progress={job_id: 3}))
+    job_id, worker = "chatcmpl-publish-deleted", "w@deleted"
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+    assert claim(r, job_id, worker)
+    pub = publisher(settings, worker)
+    pub.flush(StepWrites(events=[(job_id, Event(seq=1, event=EventKind.chunk, data={"n": 1}))]))
+    cancel_job(settings, job_id, delete=True)
+    # Hidden from readers, but its id stays taken while its worker still writes: a job submitted again under it would
+    # share its log.
+    assert pub.flush(StepWrites(progress={job_id: 3})) == {job_id}
+    assert r.hget(keys.job(job_id), "deleted") == "1" and r.hget(keys.job(job_id), "completion_tokens") is None
+    assert r.xlen(keys.events(job_id)) == 1
+    ended = StepWrites(
+        events=[(job_id, Event(seq=2, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.cancelled, 3)]
+    )
+    assert pub.flush(ended) == set()
+    assert not r.exists(keys.job(job_id)) and not r.exists(keys.events(job_id))
+    # A record gone altogether is not brought back by the writes of a run that outlived it.
+    pub.flush(StepWrites(progress={job_id: 4}))
     pub.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.cancelled, 4)]))
     assert not r.exists(keys.job(job_id))
 
@@ -177,17 +192,39 @@ def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
         server.stop()
 
 
+def test_a_step_waits_while_redis_is_a_read_only_replica(tmp_path, settings, redis_server):
+    server = EmbeddedRedis(tmp_path, persist=False).start()
+    client = redis.Redis(port=server.port, decode_responses=True)
+    outbox = Outbox(publisher(settings, client=client), threaded=True)
+    try:
+        client.replicaof("127.0.0.1", redis_server.port)  # as after a failover demoted it
+        written = threading.Event()
+        # Events only: the refusal comes from inside the publish script, not when the transaction is queued.
+        outbox.put(StepWrites(events=[("chatcmpl-ro", Event(seq=1, event=EventKind.done))]), lambda _: written.set())
+        time.sleep(0.5)
+        assert not written.is_set()
+        client.replicaof("NO", "ONE")
+        assert written.wait(10)
+        assert client.xlen(keys.events("chatcmpl-ro")) == 1
+    finally:
+        outbox.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("threaded", [True, False])
 def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(settings, threaded):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    job_id = f"chatcmpl-refused-{threaded}"
+    job_id, other = f"chatcmpl-refused-{threaded}", f"chatcmpl-refused-other-{threaded}"
+    worker = f"w@refused-{threaded}"
     r.set(keys.job(job_id), "not a hash")
+    r.sadd(keys.cancels(worker), other)
     refused, gone = threading.Event(), threading.Event()
-    outbox = Outbox(publisher(settings), threaded=threaded)
+    reported: list[set[str]] = []
+    outbox = Outbox(publisher(settings, worker), threaded=threaded)
     step = StepWrites(
         events=[(job_id, Event(seq=1, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.completed, 1)]
     )
-    outbox.put(step, lambda _: refused.set())
+    outbox.put(step, lambda cancelled: (reported.append(cancelled), refused.set()))
     outbox.close()
     unreachable = Outbox(publisher(settings, client=redis.Redis(port=1, socket_connect_timeout=0.2)), threaded=threaded)
     step = StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))])
@@ -195,9 +232,10 @@ def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(setti
     time.sleep(0.3)
     unreachable.close()
     # Each job's task is released (it would otherwise hold its Celery slot forever); the errors are logged. What
-    # Redis did take of the refused step stands.
+    # Redis did take of the refused step stands, the cancels among it.
     assert refused.wait(5) and gone.wait(5)
     assert r.xlen(keys.events(job_id)) == 1
+    assert reported == [{other}]
 
 
 def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
