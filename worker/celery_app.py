@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from shared import keys
+from shared import collector, keys
 from shared.jobs import CLAIM
 from shared.protocol import Job
 from shared.queue import GENERATE_TASK, make_celery
@@ -61,11 +61,7 @@ def _load(sender=None, **_kwargs) -> None:
 @signals.worker_ready.connect
 def _ready(sender=None, **_kwargs) -> None:
     assert _state is not None
-    # torch, transformers and the model leave 400,000 objects that live as long as the worker. Frozen, they are out
-    # of the cyclic collector's sight: a full collection walked them all, stopping every stream for 150-250 ms, and
-    # with 200 busy streams one was due every 2-10 s.
-    gc.collect()
-    gc.freeze()
+    collector.settle()
     threading.Thread(target=_heartbeat, args=(_state,), name="chatq-heartbeat", daemon=True).start()
 
 
