@@ -12,11 +12,14 @@ from pathlib import Path
 import redis
 
 # Starts an EmbeddedRedis, prints its port and pid, and waits: the Ctrl-C below interrupts it before it can stop Redis.
+# Python only turns SIGINT into KeyboardInterrupt if its parent did not ignore the signal, as a shell does for the
+# commands it starts in the background (a CI job's test run may be one): the child takes Ctrl-C as a terminal would.
 CHILD = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
     from shared.embedded_redis import EmbeddedRedis
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = EmbeddedRedis(Path(sys.argv[1]), persist=False).start()
     print(server.port, server.proc.pid, flush=True)
     time.sleep(60)
