@@ -95,17 +95,19 @@ end
 return refused
 """
 
-# KEYS: job, events. ARGV: ttl in seconds for the job's last write (0: a progress write, which keeps the record's
-# expiry), then field/value pairs. How a worker writes a job's record. A record deleted meanwhile (DELETE of a running
-# job) is not written: a record gone stays gone, instead of coming back holding only the fields written here, which no
-# reader could make a job of; one hidden by DELETE is removed with the job's log at its last write.
+# KEYS: job, events. ARGV: ttl in seconds, "1" for the job's last write ("0": progress), then field/value pairs. How a
+# worker writes a job's record. The log's expiry is refreshed first, whatever became of the record, so the log of a job
+# whose worker vanished still expires. A record deleted meanwhile (DELETE of a running job) is not written: a record
+# gone stays gone, instead of coming back holding only the fields written here, which no reader could make a job of;
+# one hidden by DELETE is removed with the job's log at the last write. The last write also starts the record's expiry.
 UPDATE_RECORD = """
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
-  if ARGV[1] ~= '0' then redis.call('DEL', KEYS[1], KEYS[2]) end
+  if ARGV[2] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
   return 0
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-if ARGV[1] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return 1
 """

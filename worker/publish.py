@@ -86,9 +86,7 @@ class Publisher:
                 args += [f"0-{event.seq}", event.to_json()]
             pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
         for job_id, tokens in writes.progress.items():
-            pipe.eval(UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), 0, "completion_tokens", tokens)
-            # Refreshed while the job runs, so the log of a job whose worker vanished still expires.
-            pipe.expire(keys.events(job_id), self.ttl)
+            pipe.eval(UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), self.ttl, 0, "completion_tokens", tokens)
         now = str(time.time())
         for end in writes.ended:
             fields: dict[str, str | bytes] = {
@@ -101,8 +99,7 @@ class Publisher:
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
             record = (keys.job(end.job_id), keys.events(end.job_id))
-            pipe.eval(UPDATE_RECORD, 2, *record, self.ttl, *(x for pair in fields.items() for x in pair))
-            pipe.expire(keys.events(end.job_id), self.ttl)
+            pipe.eval(UPDATE_RECORD, 2, *record, self.ttl, 1, *(x for pair in fields.items() for x in pair))
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at

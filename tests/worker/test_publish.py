@@ -41,6 +41,9 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
     )
     assert [i for i, _ in r.xrange(keys.events(job_id))] == ["0-1", "0-2"]
 
+    # While the job runs, each progress write refreshes its log's expiry: a worker that vanished leaves nothing forever.
+    pub.flush(StepWrites(progress={job_id: 3}))
+    assert 0 < r.ttl(keys.events(job_id)) <= 30 and r.ttl(keys.job(job_id)) == -1
     pub.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.completed, 7, result={"ok": True})]))
     assert r.hget(keys.job(job_id), "status") == "completed"
     assert r.hget(keys.job(job_id), "completion_tokens") == "7"
@@ -78,6 +81,11 @@ def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
     r.hset(keys.job(other), mapping={"id": other, "status": "queued"})
     assert claim(r, other, "w@b")
     assert b.flush(StepWrites()) == set()
+
+    # A running record that names no worker cannot be cancelled: said, rather than answered as done.
+    r.hset(keys.job("chatcmpl-cancel-nameless"), mapping={"id": "chatcmpl-cancel-nameless", "status": "in_progress"})
+    with pytest.raises(redis.ResponseError, match="names no worker"):
+        cancel_job(settings, "chatcmpl-cancel-nameless")
 
 
 def test_a_job_deleted_while_running_goes_with_its_last_write(settings):
