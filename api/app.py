@@ -190,12 +190,7 @@ def create_app(settings: Settings) -> FastAPI:
                 f"min_tokens ({body.min_tokens}) is more than the {room} tokens left after the prompt.", "min_tokens"
             )
         vocab = model.vocab_size
-        bad = [k for k in body.bias() if not 0 <= k < vocab]
-        if bad:
-            raise BadRequest(
-                f"logit_bias has token ids outside the vocabulary (0..{vocab - 1}): {', '.join(map(str, bad))}",
-                "logit_bias",
-            )
+        body.check_bias(vocab)
         if any(t >= vocab for t in body.stop_token_ids or []):
             raise BadRequest(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         if any(not 0 <= t < vocab for t in prompt_ids):

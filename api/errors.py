@@ -58,8 +58,29 @@ def _response(status: int, type_: str, message: str, param: str | None, headers=
 
 
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """The request field an error's location names. pydantic adds a step for each branch of a union it tried
+    (`str`, `list[...]`, `literal[...]`, a model's class name), which names no field: those are left out."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p[:1].islower() and p not in _TYPE_STEPS))
+    ]
     return ".".join(parts) or None
+
+
+_TYPE_STEPS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _first_error(errors: list[dict]) -> dict:
+    """The error to report: the first one's field, at the deepest place any union branch got to in it (a
+    `tool_choice` object missing its `function` says so, rather than that it is not one of the strings)."""
+    first = errors[0]
+    top = _param(tuple(first.get("loc", ())))
+    if top is None:
+        return first
+    places = [(e, _param(tuple(e.get("loc", ()))) or "") for e in errors]
+    same = [(e, p) for e, p in places if p == top or p.startswith(top + ".")]
+    return max(same, key=lambda ep: ep[1].count("."))[0]
 
 
 def install(app: FastAPI) -> None:
@@ -74,13 +95,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         # OpenAI answers a bad body with 400, not FastAPI's 422; the first problem names the param.
-        first = e.errors()[0]
+        first = _first_error(list(e.errors()))
         if first.get("type") == "json_invalid":
             return _response(400, "BadRequestError", "The request body is not valid JSON.", None)
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "Invalid request")
         if first.get("type") == "missing":
-            msg = f"Missing required parameter: '{param}'."
+            msg = f"Missing required parameter: '{param}'." if param else "The request body is missing."
         return _response(400, "BadRequestError", f"{msg} ({param})" if param and "'" not in msg else msg, param)
 
     @app.exception_handler(HTTPException)

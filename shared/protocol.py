@@ -7,7 +7,7 @@ import re
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,7 +26,61 @@ def _check_schema(schema: Any, param: str) -> None:
         raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
 
 
+def _check_regex(pattern: str) -> None:
+    """The regex must be one the worker's grammar engine (xgrammar) compiles, so a bad one is a 400 here and never a
+    failed job. xgrammar cannot run in the API (it imports torch), and it reads a narrower dialect than Python: no
+    lookarounds, backreferences, conditionals, word boundaries, named groups, inline flags, possessive or atomic
+    repeats. Python's parser finds those; none of the libraries at hand checks a pattern against xgrammar's dialect."""
+    from re import _constants as c  # type: ignore[attr-defined]  # private, and so not in typeshed
+    from re import _parser  # type: ignore[attr-defined]
+
+    try:
+        parsed = _parser.parse(pattern)
+    except re.error as e:
+        raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+    refused = {
+        c.ASSERT: "lookarounds",
+        c.ASSERT_NOT: "lookarounds",
+        c.GROUPREF: "backreferences",
+        c.GROUPREF_EXISTS: "conditional groups",
+        c.POSSESSIVE_REPEAT: "possessive repeats",
+        c.POSSESSIVE_REPEAT_ONE: "possessive repeats",
+        c.ATOMIC_GROUP: "atomic groups",
+    }
+    boundaries = {c.AT_BOUNDARY, c.AT_NON_BOUNDARY}
+
+    def problem(node: Any) -> str | None:
+        for op, arg in node:
+            if op in refused:
+                return refused[op]
+            if op is c.AT and arg in boundaries:
+                return "word boundaries (\\b, \\B)"
+            if op is c.SUBPATTERN and (arg[1] or arg[2]):
+                return "inline flags"
+            for sub in arg if isinstance(arg, (list, tuple)) else ():
+                if isinstance(sub, _parser.SubPattern) and (found := problem(sub)):
+                    return found
+                for branch in sub if isinstance(sub, list) else ():
+                    if isinstance(branch, _parser.SubPattern) and (found := problem(branch)):
+                        return found
+        return None
+
+    found = problem(parsed)
+    if found is None and parsed.state.groupdict:
+        found = "named groups"
+    if found is None and parsed.state.flags & ~re.UNICODE:
+        found = "inline flags"
+    if found is not None:
+        raise RequestError(
+            f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
+        )
+
+
 # --- the HTTP request ---------------------------------------------------------------------------------
+
+
+def _nullable(annotation: Any) -> bool:
+    return annotation is None or type(None) in get_args(annotation)
 
 
 class RequestError(ValueError):
@@ -73,21 +127,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-# Fields of OpenAI's or vLLM's request that chatq does not honour: sending one (with a non-default value) is a
-# 400 naming it, never a silent no-op.
-UNSUPPORTED_FIELDS = (
-    "return_tokens_as_token_ids",
-    "audio",
-    "modalities",
-    "prediction",
-    "web_search_options",
-    "functions",
-    "function_call",
-    "suffix",
-    "best_of",
-    "use_beam_search",
-    "prompt_logprobs",
-)
+# Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (besides
+# null, false and empty): sending another is a 400 naming the field, never a silent no-op.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "return_tokens_as_token_ids": None,
+    "return_token_ids": None,
+    "audio": None,
+    "modalities": ["text"],
+    "prediction": None,
+    "web_search_options": None,
+    "functions": None,
+    "function_call": None,
+    "suffix": None,
+    "best_of": 1,
+    "use_beam_search": None,
+    "length_penalty": 1.0,
+    "prompt_logprobs": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logprob_token_ids": None,
+    "thinking_token_budget": None,
+    "chat_template": None,
+    "spaces_between_special_tokens": True,
+}
 MAX_TOP_LOGPROBS = 20
 
 
@@ -114,7 +176,7 @@ class GenerationRequest(BaseModel):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None  # None: the model's generation_config, else 1.0
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -124,6 +186,23 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """null for a field that cannot be null reads as the field left out, as OpenAI and vLLM read it: the SDKs
+        send null for a parameter passed as None."""
+        if isinstance(data, dict) and None in data.values():
+            fixed = cls._fixed_fields()
+            return {k: v for k, v in data.items() if v is not None or k not in fixed}
+        return data
+
+    @classmethod
+    def _fixed_fields(cls) -> frozenset[str]:
+        """Fields with a default whose type excludes None."""
+        return frozenset(
+            name for name, f in cls.model_fields.items() if not f.is_required() and not _nullable(f.annotation)
+        )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -147,8 +226,10 @@ class GenerationRequest(BaseModel):
     def check(self) -> None:
         """Checks beyond single-field types; raises RequestError naming the offending param."""
         extra = self.model_extra or {}
-        for name in UNSUPPORTED_FIELDS:
-            if extra.get(name) not in (None, False, [], {}):
+        for name, harmless in UNSUPPORTED_FIELDS.items():
+            value = extra.get(name)
+            asks_nothing = value is None or value == harmless or harmless is None and value in (False, [], {})
+            if not asks_nothing:
                 raise RequestError(f"`{name}` is not supported by this server", name)
 
         def need(ok: bool, message: str, param: str) -> None:
@@ -163,7 +244,11 @@ class GenerationRequest(BaseModel):
         need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             need(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2]", name)
-        need(self.repetition_penalty > 0, "repetition_penalty must be greater than zero", "repetition_penalty")
+        need(
+            self.repetition_penalty is None or self.repetition_penalty > 0,
+            "repetition_penalty must be greater than zero",
+            "repetition_penalty",
+        )
         need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit integer", "seed")
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(self, name, None)
@@ -187,13 +272,22 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens",
         )
         need(all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be token ids", "stop_token_ids")
-        bad = []
-        for key in self.logit_bias or {}:
+
+    def check_bias(self, vocab_size: int) -> None:
+        """Every logit_bias key must be a token id of the model; the error lists each one that is not."""
+
+        def ok(key: str) -> bool:
             try:
-                int(key)
+                return 0 <= int(key) < vocab_size
             except ValueError:
-                bad.append(key)
-        need(not bad, f"logit_bias keys must be token ids; invalid: {', '.join(map(repr, bad))}", "logit_bias")
+                return False
+
+        bad = [key for key in self.logit_bias or {} if not ok(key)]
+        if bad:
+            raise RequestError(
+                f"logit_bias keys must be token ids in 0..{vocab_size - 1}; invalid: {', '.join(map(repr, bad))}",
+                "logit_bias",
+            )
 
     def bias(self) -> dict[int, float]:
         """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
@@ -239,7 +333,9 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured, so
+    # they are refused rather than dropped.
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     def kinds(self) -> list[str]:
         return [
@@ -269,6 +365,7 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -282,7 +379,8 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None:
-            if not self.logprobs:
+            # vLLM's rule: 0 (its default) asks for nothing, so it needs no logprobs.
+            if self.top_logprobs != 0 and not self.logprobs:
                 raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(
@@ -338,15 +436,18 @@ class ChatCompletionRequest(GenerationRequest):
                     "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
                 )
             if so.regex is not None:
-                try:
-                    re.compile(so.regex)
-                except re.error as e:
-                    raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+                _check_regex(so.regex)
             if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
                 raise RequestError("structured_outputs.choice needs non-empty strings.", "structured_outputs")
             if so.grammar is not None and not so.grammar.strip():
                 raise RequestError("structured_outputs.grammar must not be empty.", "structured_outputs")
-            if isinstance(so.json_, dict):
+            if isinstance(so.json_, str):
+                try:
+                    schema = json.loads(so.json_)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
+                _check_schema(schema, "structured_outputs")
+            elif so.json_ is not None:
                 _check_schema(so.json_, "structured_outputs")
 
     @property

@@ -71,7 +71,8 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
 
 
 def generation_defaults(path: Path) -> dict:
-    """temperature / top_p / top_k the model's authors recommend, used when a request leaves them out."""
+    """The sampling settings the model's authors recommend (those vLLM reads), used when a request leaves them out."""
     gen = path / "generation_config.json"
     config = json.loads(gen.read_text()) if gen.exists() else {}
-    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: config[k] for k in names if config.get(k) is not None}

@@ -19,12 +19,16 @@ class TokenInfo:
     top: list[tuple[str, float]]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; reasoning_tokens (given when a reasoning parser ran) goes into its details."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def delta_json(delta: Delta) -> dict[str, Any]:
@@ -106,8 +110,8 @@ class ChatChunks:
     def logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
         return chat_logprobs(tokens)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self.base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage}
 
     def final_choice(
         self,
@@ -132,8 +136,8 @@ class ChatChunks:
             "stop_reason": stop_reason,
         }
 
-    def final(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self.final_base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.final_base, "choices": choices, "usage": usage}
 
 
 class TextChunks(ChatChunks):

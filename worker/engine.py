@@ -147,7 +147,7 @@ class Engine:
             log.exception("forward pass failed")
             for seq, _ in scheduled:
                 self.running.remove(seq)
-                outputs.append(self._finish(seq, Finish.error, f"generation failed: {e}"))
+                outputs.append(self._finish(seq, Finish.error, f"generation failed ({type(e).__name__})"))
             return outputs
         for seq, n in scheduled:
             seq.num_cached += n
@@ -303,7 +303,7 @@ class Engine:
                     logprobs.append(lp[0])
                 except Exception as e:
                     log.exception("sampling failed for %s", s.id)
-                    s.error = f"sampling failed: {e}"
+                    s.error = f"sampling failed ({type(e).__name__})"
                     tokens.append(-1)
                     logprobs.append(None)
         outputs = []

@@ -81,15 +81,23 @@ class Renderer:
 
     def render(self, request: ChatCompletionRequest) -> Prompt:
         messages = []
-        for m in request.messages:
+        for i, m in enumerate(request.messages):
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text() or ""
+            if "reasoning" in d:  # templates read either name (Qwen3's: reasoning_content); vLLM passes both
+                d["reasoning_content"] = d["reasoning"]
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    _call_for_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
+                ]
             messages.append(d)
         kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        if request.documents is not None:
+            kwargs.setdefault("documents", request.documents)
         try:
             text = self.template.render(
                 messages=messages,
@@ -116,3 +124,20 @@ class Renderer:
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A legacy completion's prompt: text is tokenized with the model's special tokens, ids are taken as is."""
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt).ids
+
+
+def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """An earlier assistant turn's tool call with its arguments as an object, as vLLM hands it to templates: the
+    wire carries them as a JSON string, and templates write them with `tojson`, which would quote that string again."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"Tool call arguments must be a JSON string: {e}", f"{param}.function.arguments") from e
+    return {**call, "function": {**function, "arguments": arguments}}

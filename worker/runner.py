@@ -95,7 +95,7 @@ class JobRun:
             self.choices = []
         except Exception as e:  # a job that cannot start must end failed, not stay in progress with no one on it
             log.exception("job %s could not be prepared", job.id)
-            self.error = f"preparing the job failed: {e}"
+            self.error = f"preparing the job failed ({type(e).__name__})"
             self.choices = []
 
     def _prepare(
@@ -139,10 +139,15 @@ class JobRun:
     def completion_tokens(self) -> int:
         return sum(len(c.seq.output_ids) for c in self.choices)
 
+    def usage(self) -> dict[str, Any]:
+        """So far; the same object in every chunk that carries usage and in the final result."""
+        reasoning = self.reasoning_tokens if self.plan.reasoning else None
+        return chunks.usage(len(self.job.prompt_ids), self.completion_tokens, reasoning)
+
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
-            data["usage"] = chunks.usage(len(self.job.prompt_ids), self.completion_tokens)
+            data["usage"] = self.usage()
         return Event(seq=self.last_seq, event=kind, data=data)
 
     def start(self) -> list[Event]:
@@ -232,7 +237,7 @@ class JobRun:
 
     def end(self) -> tuple[list[Event], JobEnd]:
         """The job's closing events and final record, once every choice finished."""
-        prompt_tokens, completion_tokens = len(self.job.prompt_ids), self.completion_tokens
+        completion_tokens = self.completion_tokens
         if self.rejected is not None:
             events = [self._event(EventKind.error, {"error": self.rejected}), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, 0, error=self.rejected)
@@ -243,6 +248,8 @@ class JobRun:
         final = []
         for c in self.choices:
             content, reasoning, tool_calls = c.message.result()
+            if self.plan.reasoning and not content:
+                content = None  # vLLM's reasoning parsers answer "no content after the reasoning" with null
             if self.plan.named_tool:
                 content = ""  # vLLM's shape: the call is the answer, content is empty rather than null
             logprobs = None
@@ -253,15 +260,13 @@ class JobRun:
                     c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
                 )
             )
-        result = self.chunks.final(final, prompt_tokens, completion_tokens)
-        if self.plan.reasoning:
-            result["usage"]["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        result = self.chunks.final(final, self.usage())
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         req = self.job.request
         opts = req.stream_options
         if status is JobStatus.completed and opts is not None and opts.include_usage:
-            events.append(self._event(EventKind.chunk, self.chunks.usage(prompt_tokens, completion_tokens)))
+            events.append(self._event(EventKind.chunk, self.chunks.usage(self.usage())))
         # A client waiting for the whole answer gets it with `done`, saving the API a read of the record.
         waited = status is JobStatus.completed and not req.stream and not req.background
         events.append(self._event(EventKind.done, result if waited else None))
@@ -379,7 +384,7 @@ class Runner:
                 events, stop_now = run.on_output(choice, out)
             except Exception as e:  # one job's text handling must not sink the others
                 log.exception("job %s failed while handling its output", run.job.id)
-                run.error = f"output processing failed: {e}"
+                run.error = f"output processing failed ({type(e).__name__})"
                 events, stop_now = [], False
             if stop_now:
                 self.engine.cancel(out.seq.id)

@@ -140,6 +140,27 @@ def test_min_tokens_and_ignore_eos(client, model_name):
     assert (forced.usage.completion_tokens, forced.choices[0].finish_reason) == (30, "length")
 
 
+def test_null_parameters_read_as_left_out(client, model_name):
+    # The SDK sends null for a parameter passed as None; defaults that could only be non-null apply instead.
+    base = create(client, model_name, messages=COUNT, temperature=0, max_tokens=8)
+    nulls = create(
+        client,
+        model_name,
+        messages=COUNT,
+        temperature=0,
+        max_tokens=8,
+        n=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        logprobs=None,
+        top_logprobs=0,  # vLLM's default: asks for nothing, so it needs no logprobs
+        parallel_tool_calls=None,
+        extra_body={"stream": None, "repetition_penalty": None, "ignore_eos": None, "min_tokens": None},
+    )
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
+    assert nulls.choices[0].message.content == base.choices[0].message.content
+
+
 def test_penalties_change_greedy_text(client, model_name):
     base = create(client, model_name, messages=COUNT, temperature=0, max_tokens=30).choices[0].message.content
     for extra in ({"frequency_penalty": 1.5}, {"extra_body": {"repetition_penalty": 1.8}}):

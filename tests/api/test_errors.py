@@ -69,6 +69,23 @@ INVALID = [
     ({"messages": LONG_PROMPT}, 400, BAD, "input_tokens"),
     ({"messages": M, "return_tokens_as_token_ids": True}, 400, BAD, "return_tokens_as_token_ids"),
     ({"messages": M, "audio": {"voice": "x"}}, 400, BAD, "audio"),
+    ({"messages": M, "bad_words": ["hi"]}, 400, BAD, "bad_words"),
+    ({"messages": M, "allowed_token_ids": [1, 2]}, 400, BAD, "allowed_token_ids"),
+    ({"messages": M, "chat_template": "{{ messages }}"}, 400, BAD, "chat_template"),
+    ({"messages": M, "length_penalty": 2.0}, 400, BAD, "length_penalty"),
+    ({"messages": M, "spaces_between_special_tokens": False}, 400, BAD, "spaces_between_special_tokens"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, BAD, "messages.0.content"),
+    (
+        {
+            "messages": [
+                *M,
+                {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{x"}}]},
+            ]
+        },
+        400,
+        BAD,
+        "messages.1.tool_calls.0.function.arguments",
+    ),
     ({"messages": M, "request_id": "abc:events"}, 400, BAD, "request_id"),
     ({"messages": M, "request_id": "x" * 129}, 400, BAD, "request_id"),
 ]
@@ -98,9 +115,9 @@ def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
 
 
 def test_logit_bias_error_lists_every_bad_key(http):
-    body = {"messages": M, "logit_bias": {"abc": 1, "12": 2, "x": 3}}
+    body = {"messages": M, "logit_bias": {"abc": 1, "12": 2, "99999999": 3, "x": 4}}
     message = http.post("/v1/chat/completions", json=body).json()["error"]["message"]
-    assert "'abc'" in message and "'x'" in message and "'12'" not in message
+    assert "'abc'" in message and "'99999999'" in message and "'x'" in message and "'12'" not in message
 
 
 def test_too_long_prompt_says_how_long(http):
@@ -112,6 +129,14 @@ def test_malformed_json_is_a_400(http, r, model_name):
     before = snapshot(r, model_name)
     resp = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
     assert_error(resp, 400, "BadRequestError", None)
+    assert snapshot(r, model_name) == before
+
+
+def test_an_empty_body_is_a_400_that_says_so(http, r, model_name):
+    before = snapshot(r, model_name)
+    resp = http.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
+    assert_error(resp, 400, "BadRequestError", None)
+    assert resp.json()["error"]["message"] == "The request body is missing."
     assert snapshot(r, model_name) == before
 
 

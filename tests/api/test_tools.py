@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import assert_error
+from tests.helpers import assert_error, snapshot
 
 WEATHER = {
     "type": "function",
@@ -241,6 +241,15 @@ def test_agent_loop(client: openai.OpenAI, model_name):
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "(?<=a)b"}}, "structured_outputs"),  # Python's re takes it, xgrammar not
+        ({"structured_outputs": {"regex": r"(\w)\1"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": '{"type": "nope"}'}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
         (
             {
                 "structured_outputs": {"regex": "a"},
@@ -251,9 +260,11 @@ def test_agent_loop(client: openai.OpenAI, model_name):
         ),
     ],
 )
-def test_invalid_tools_and_formats_are_refused(http, body, param):
+def test_invalid_tools_and_formats_are_refused(http, r, model_name, body, param):
+    before = snapshot(r, model_name)
     resp = http.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert_error(resp, 400, "BadRequestError", param)
+    assert snapshot(r, model_name) == before
 
 
 def test_grammar_the_engine_cannot_compile_fails_the_job_as_a_bad_request(http):

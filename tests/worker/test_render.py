@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from shared.protocol import ChatCompletionRequest
+from shared.protocol import ChatCompletionRequest, RequestError
 from shared.settings import Settings
 from worker.render import Renderer, TemplateError
 
@@ -39,6 +39,35 @@ def test_generation_prompt_and_ids(renderer):
 def test_tools_reach_the_template(renderer):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     assert renderer.render(req(tools=[tool])).text.startswith("TOOLS:get_weather\n")
+
+
+def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
+    # Tool-call arguments as objects (a template writes them with tojson), reasoning under both names, documents.
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments | tojson }}\n"
+        "{% endfor %}{% if m.reasoning_content %}THOUGHT {{ m.reasoning_content }}={{ m.reasoning }}\n{% endif %}"
+        "{% endfor %}{% for d in documents or [] %}DOC {{ d.text }}\n{% endfor %}"
+    )
+    shutil.copy(Settings().model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": ""}},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": calls},
+    ]
+    text = Renderer(tmp_path).render(req(messages=messages, documents=[{"text": "Paris is sunny."}])).text
+    assert text == 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\n'
+
+
+def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer):
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    with pytest.raises(RequestError) as e:
+        renderer.render(req(messages=messages))
+    assert e.value.param == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_continue_final_message_leaves_the_turn_open(renderer):

@@ -139,12 +139,30 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
 
     _, off = run_text(decoder, "Just an answer.", settings, chat_template_kwargs={"enable_thinking": False})
     assert off["choices"][0]["message"]["content"] == "Just an answer."
+    # Nothing after the reasoning is no content at all, as vLLM's reasoning parsers answer it.
     _, unfinished = run_text(decoder, "Still thinking about it", settings)
     assert unfinished["choices"][0]["message"] == {
         "role": "assistant",
-        "content": "",
+        "content": None,
         "reasoning": "Still thinking about it",
     }
+    _, closed = run_text(decoder, "<think>Nothing to add.</think>", settings)
+    assert closed["choices"][0]["message"]["content"] is None
+
+
+def test_streamed_usage_counts_reasoning_like_the_answer(decoder):
+    settings = Settings(reasoning_parser="qwen3")
+    text = "<think>The user greets me.</think>\n\nHello!"
+    _, answer = run_text(decoder, text, settings)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events, _ = run_text(decoder, text, settings, stream=True, stream_options=opts)
+    chunks = [e.data for e in events if e.event is EventKind.chunk]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == answer["usage"]
+    assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    running = [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks if c["choices"]]
+    assert (
+        running == sorted(running) and running[-1] == answer["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    )
 
 
 def test_hermes_calls_from_auto_tool_choice(decoder):
@@ -225,12 +243,12 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert good_events[-1]["event"] == "done" and r.hget(keys.job(good), "status") == "completed"
     bad_events = events(bad)
     assert [e["event"] for e in bad_events[-2:]] == ["error", "done"]
-    assert bad_events[-2]["data"]["error"]["message"] == "output processing failed: parser bug"
+    assert bad_events[-2]["data"]["error"]["message"] == "output processing failed (ValueError)"
     assert r.hget(keys.job(bad), "status") == "failed"
     assert runs[1].choices[0].seq.finish is Finish.cancelled  # its sequence stopped generating
     broken_events = events(broken)
     assert [e["event"] for e in broken_events] == ["error", "done"]
-    assert broken_events[0]["data"]["error"]["message"] == "preparing the job failed: 'no such parser'"
+    assert broken_events[0]["data"]["error"]["message"] == "preparing the job failed (KeyError)"
     assert r.hget(keys.job(broken), "status") == "failed"
     assert events(cancelled)[-1]["event"] == "done" and r.hget(keys.job(cancelled), "status") == "cancelled"
     # What the Celery task returns, and Flower shows.

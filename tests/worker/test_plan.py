@@ -1,0 +1,35 @@
+"""The plan stage: what the model's generation_config and the request together ask of sampling."""
+
+from __future__ import annotations
+
+import json
+
+from shared.protocol import ChatCompletionRequest
+from worker.build import generation_defaults
+from worker.plan import sampling_params
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_generation_config_fills_what_the_request_leaves_out(tmp_path):
+    config = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "bos_token_id": 1,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    defaults = generation_defaults(tmp_path)
+    (p,) = sampling_params(ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
+
+    # Explicit values win, nulls included (read as left out); without a generation_config the defaults are neutral.
+    body = {"messages": MESSAGES, "temperature": 0.0, "min_p": 0.0, "repetition_penalty": None, "top_k": None}
+    (p,) = sampling_params(ChatCompletionRequest.model_validate(body), 10, frozenset({2}), defaults)
+    assert (p.temperature, p.min_p, p.repetition_penalty, p.top_k) == (0.0, 0.0, 1.1, 20)
+    (p,) = sampling_params(
+        ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), generation_defaults(tmp_path / "none")
+    )
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
