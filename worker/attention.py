@@ -9,14 +9,44 @@ whatever the lengths are. Elsewhere (CPU) the keys are gathered and SDPA does th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the CPU path needs no Triton
     triton = None
+
+
+def paged_decode_works(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Triton kernel compiles on this device and agrees with SDPA at these head shapes. Checked once at
+    start: a kernel that failed at its first step would fail every sequence of it, where gathering the context
+    instead only costs speed."""
+    if triton is None:
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        block = 16
+        kc, vc = (torch.randn(4 * block, kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+        q = torch.randn(2, heads, head_dim, generator=gen).to(device, dtype)
+        table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=device)
+        lens = torch.tensor([block + 5, 7], dtype=torch.int32, device=device)
+        scale = head_dim**-0.5
+        got = decode_paged(q, kc, vc, table, lens, scale, block).float()
+        want = decode_sdpa(q.float(), kc.float(), vc.float(), *gather_context(table, lens, block), scale)
+        error = float((got - want).abs().max())
+    except Exception:
+        log.exception("the paged decode kernel failed its check: decode attention gathers the context instead")
+        return False
+    if not error < 0.05:  # bf16 rounding stays far below this; a wrong kernel lands far above it (or at NaN)
+        log.error("the paged decode kernel is off by %g: decode attention gathers the context instead", error)
+        return False
+    return True
 
 
 def gather_context(table: torch.Tensor, lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -194,8 +194,9 @@ class Engine:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         budget = self.prefill_chunk
+        preempted: set[str] = set()
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below by an older sequence
+            if seq.id in preempted:  # by an older sequence, below
                 continue
             todo = len(seq) - seq.num_cached
             n = 1 if todo == 1 else min(todo, budget)
@@ -204,9 +205,10 @@ class Engine:
             while not self.blocks.grow(seq, seq.num_cached + n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim.id)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.id in preempted:
                 continue
             if todo == 1:
                 decodes.append((seq, 1))

@@ -73,6 +73,8 @@ class DecodeGraphs:
                 logits = self.forward(batch)
             pool = graph.pool()
             self.graphs[n] = (graph, logits)
+        for graph, _ in self.graphs.values():  # a graph's first replay uploads it: here, not in a request's step
+            graph.replay()
         torch.cuda.synchronize()
 
     def __call__(self, b: Batch) -> torch.Tensor:

@@ -49,3 +49,20 @@ def test_keys_past_a_sequences_length_are_not_read():
     vc[:BLOCK] = float("nan")
     after = attention.decode_paged(q, kc, vc, table, lens, 0.125, BLOCK)
     torch.testing.assert_close(after, before)
+
+
+def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
+    device = torch.device(DEV)
+    assert attention.paged_decode_works(14, 2, 64, torch.float32, device)
+
+    def wrong(q, *args):
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "decode_paged", wrong)
+    assert not attention.paged_decode_works(14, 2, 64, torch.float32, device)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(attention, "decode_paged", broken)
+    assert not attention.paged_decode_works(14, 2, 64, torch.float32, device)
