@@ -161,6 +161,37 @@ def check_attention_bf16() -> dict[str, float] | str:
     return out
 
 
+def syncs_per_step() -> dict[str, float] | str:
+    """Host syncs per decode step of 8 sequences on a small model, greedy and with every sampling parameter set:
+    a step should wait for the GPU once, to read its sampled ids. Counted by torch's sync debug mode."""
+    if DEV != "cuda":
+        return "cuda only"
+    import warnings
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(config("tiny"), dtype=DT).eval()
+    sampled = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5)
+    out = {}
+    for name, params in (("greedy", dict(temperature=0.0)), ("sampled", dict(sampled, logit_bias={5: 1.0}, seed=1))):
+        engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=512, max_model_len=2048, graph_batch=8)
+        for i in range(8):
+            prompt = torch.randint(10, 990, (20,)).tolist()
+            engine.add(Sequence(f"{name}-{i}", prompt, SamplingParams(max_tokens=30, **params)))  # type: ignore[arg-type]
+        for _ in range(3):  # the prefill, then decodes
+            engine.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(10):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        out[name] = sum("synchroniz" in str(w.message) for w in caught) / 10
+    return out
+
+
 def bench_model(kind: str, graph_batch: int) -> dict:
     cfg = config(kind)
     with torch.device(DEV):
@@ -221,10 +252,11 @@ def main() -> None:
             facts[f"check_against_transformers_graphs{graph_batch}"] = check_against_transformers(graph_batch)
         except Exception as e:  # noqa: BLE001 - a broken path is a result to report, not a reason to stop
             facts[f"check_against_transformers_graphs{graph_batch}"] = f"{type(e).__name__}: {e}"
-    try:
-        facts["attention_bf16_max_abs_error"] = check_attention_bf16()
-    except Exception as e:  # noqa: BLE001
-        facts["attention_bf16_max_abs_error"] = f"{type(e).__name__}: {e}"
+    for name, check in (("attention_bf16_max_abs_error", check_attention_bf16), ("syncs_per_step", syncs_per_step)):
+        try:
+            facts[name] = check()
+        except Exception as e:  # noqa: BLE001
+            facts[name] = f"{type(e).__name__}: {e}"
     print(json.dumps(facts), flush=True)
     results = []
     for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):

@@ -26,7 +26,7 @@ import torch
 from worker.blocks import BlockManager
 from worker.forward import Batch, KVCache, PagedForward
 from worker.graphs import DecodeGraphs
-from worker.sampler import Row, SamplingParams, TokenLogprob, sample
+from worker.sampler import Row, SamplingParams, TokenLogprob, sample, to_device
 
 if TYPE_CHECKING:
     from worker.grammar import GrammarState
@@ -263,7 +263,7 @@ class Engine:
                 decodes.append(seq)
                 continue
             total = first + n
-            ctx = self._slots(_to(dev, seq.blocks), total)
+            ctx = self._slots(to_device(dev, seq.blocks), total)
             # Query i sits at position first + i and sees every key up to and including itself. A chunk that starts
             # the context needs no mask (plain causal), which lets SDPA use its flash kernel on CUDA.
             mask = None
@@ -273,17 +273,17 @@ class Engine:
         dec_table = dec_lens = None
         if decodes:
             width = max(len(s.blocks) for s in decodes)
-            dec_table = _to(dev, [s.blocks + [0] * (width - len(s.blocks)) for s in decodes], torch.int32)
-            dec_lens = _to(dev, [len(s) for s in decodes], torch.int32)
+            dec_table = to_device(dev, [s.blocks + [0] * (width - len(s.blocks)) for s in decodes], torch.int32)
+            dec_lens = to_device(dev, [len(s) for s in decodes], torch.int32)
         batch = Batch(
-            input_ids=_to(dev, ids),
-            positions=_to(dev, pos),
-            slots=_to(dev, slots),
+            input_ids=to_device(dev, ids),
+            positions=to_device(dev, pos),
+            slots=to_device(dev, slots),
             num_decode=len(decodes),
             dec_table=dec_table,
             dec_lens=dec_lens,
             prefills=prefills,
-            logits_at=None if len(logits_at) == len(ids) else _to(dev, logits_at),
+            logits_at=None if len(logits_at) == len(ids) else to_device(dev, logits_at),
         )
         return batch, emitting
 
@@ -348,8 +348,3 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= p:
         return seq.output_ids[start - p : end - p]
     return seq.prompt_ids[start:] + seq.output_ids[: end - p]
-
-
-def _to(device: torch.device, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    # Built on the host, copied without waiting: the one host sync of a step is reading the sampled ids.
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)

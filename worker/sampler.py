@@ -66,24 +66,30 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
+def to_device(device: torch.device, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small tensor built on the host and copied without waiting: torch.tensor(..., device="cuda") blocks the
+    host until the GPU has caught up, and the one host sync of a step is reading its sampled ids."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
         if not p.shapes_logits:
             continue
-        line = logits[i]
+        line, dev = logits[i], logits.device
         if len(row.output_ids) < p.min_tokens and p.stop_token_ids:
-            line[[t for t in p.stop_token_ids if t < vocab]] = float("-inf")
+            line[to_device(dev, [t for t in p.stop_token_ids if t < vocab])] = float("-inf")
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=line.device)
-            line.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=line.device, dtype=line.dtype))
+            ids = to_device(dev, list(p.logit_bias))
+            line.index_add_(0, ids, to_device(dev, list(p.logit_bias.values()), line.dtype))
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=line.device)
+            seen = to_device(dev, sorted(set(row.prompt_ids) | set(row.output_ids)))
             vals = line[seen]
             line[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids, device=line.device), minlength=vocab)[:vocab]
+            counts = torch.bincount(to_device(dev, row.output_ids), minlength=vocab)[:vocab]
             line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
@@ -91,18 +97,18 @@ def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     dev = scaled.device
     params = [r.params for r in rows]
     if any(p.top_k > 0 for p in params):
-        k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params], device=dev)
+        k = to_device(dev, [p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params])
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_p = to_device(dev, [p.top_p for p in params], scaled.dtype)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        min_p = to_device(dev, [p.min_p for p in params], scaled.dtype)
         probs = scaled.softmax(dim=-1)
         scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return scaled
@@ -113,10 +119,12 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
 
     If a row's parameters or grammar fail, no bias or penalty stays added to any row (a grammar's mask may stay, and
     masking again changes nothing), so the rows can be sampled again."""
+    dev = logits.device
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw = logits[want].log_softmax(dim=-1) if want else None
-    shaping = [i for i, r in enumerate(rows) if r.params.shapes_logits]
-    unshaped = logits[shaping] if shaping else None  # a copy
+    want_rows = to_device(dev, want)  # indexing with a list would copy it to the device and wait
+    raw = logits[want_rows].log_softmax(dim=-1) if want else None
+    shaping = to_device(dev, [i for i, r in enumerate(rows) if r.params.shapes_logits])
+    unshaped = logits[shaping] if len(shaping) else None  # a copy
     try:
         _shape(logits, rows)
         if any(r.grammar is not None for r in rows):
@@ -132,8 +140,8 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1)
     else:
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        temps = torch.tensor([max(r.params.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
+        greedy = to_device(dev, [r.params.greedy for r in rows], torch.bool)
+        temps = to_device(dev, [max(r.params.temperature, GREEDY_BELOW) for r in rows], logits.dtype)
         probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
         # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw
         # their noise from their own generator, so a seed gives the same text whatever else shares the batch.
@@ -147,7 +155,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     if raw is not None:
         k = max(rows[i].params.logprobs or 0 for i in want)
         vals, top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        chosen = raw.gather(1, tokens[want][:, None])[:, 0].tolist()
+        chosen = raw.gather(1, tokens[want_rows][:, None])[:, 0].tolist()
         top_vals, top_ids = vals.tolist(), top.tolist()
         for j, i in enumerate(want):
             n = rows[i].params.logprobs or 0
