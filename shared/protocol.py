@@ -300,6 +300,12 @@ class Function(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _no_parameters(cls, v: Any) -> Any:
+        # null, as vLLM reads it: a function that takes no parameters.
+        return {"type": "object", "properties": {}} if v is None else v
+
 
 class Tool(BaseModel):
     type: Literal["function"] = "function"

@@ -10,8 +10,10 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 from tokenizers import Tokenizer
 
+from shared.protocol import ChatCompletionRequest, RequestError
 from shared.settings import Settings
 from worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
 from worker.render import Renderer
@@ -354,3 +356,25 @@ def test_model_follows_regex_and_choice(
     choices = ["positive", "negative", "neutral"]
     review = "Classify the sentiment of: 'The food was wonderful and the staff were kind.'"
     assert set(generate(model, tokenizer, review, compiler.choice(choices))) <= set(choices)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"\d{3}-\d{4}", r"(?:ab)+c*?", r"^(yes|no)$", r"(?<=a)b", r"x(?!y)", r"(a)\1", r"(a)?(?(1)b|c)", r"\bword"]
+    + [r"(?P<year>\d+)", r"(?i)yes", r"(?i:yes)", r"a++", r"(?>a)", r"[^\W\d]+"],
+)
+def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(pattern):
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": pattern}}
+    )
+    try:
+        req.check()
+        refused = False
+    except RequestError:
+        refused = True
+    try:
+        xgr.Grammar.from_regex(pattern)
+        compiles = True
+    except RuntimeError:
+        compiles = False
+    assert refused != compiles

@@ -1,0 +1,54 @@
+"""The request models on their own: what a body reads as, before any service sees it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_null_reads_as_left_out_where_a_field_cannot_be_null():
+    body = {"messages": MESSAGES, "n": None, "stream": None, "presence_penalty": None, "add_generation_prompt": None}
+    req = ChatCompletionRequest.model_validate(body)
+    assert (req.n, req.stream, req.presence_penalty, req.add_generation_prompt) == (1, False, 0.0, True)
+    # Where null means something it stays: a legacy completion's max_tokens null is "the room left", not 16.
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
+
+
+def test_a_function_with_null_parameters_takes_none():
+    tool = {"type": "function", "function": {"name": "now", "parameters": None}}
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [tool]})
+    req.check()
+    assert req.tools is not None and req.tools[0].function.parameters == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(?:ab)+c*?", r"[^\W\d]+", r"^(yes|no)$", r"\u00e9+"])
+def test_regexes_in_the_grammar_engines_dialect_pass(pattern):
+    ChatCompletionRequest.model_validate({"messages": MESSAGES, "structured_outputs": {"regex": pattern}}).check()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "names"),
+    [
+        (r"(?<=a)b", "lookarounds"),
+        (r"x(?!y)", "lookarounds"),
+        (r"(a)\1", "backreferences"),
+        (r"(a)?(?(1)b|c)", "conditional groups"),
+        (r"\bword", "word boundaries"),
+        (r"(?P<year>\d+)", "named groups"),
+        (r"(?i)yes", "inline flags"),
+        (r"(?i:yes)", "inline flags"),
+        (r"a++", "possessive repeats"),
+        (r"(?>a)", "atomic groups"),
+        (r"(x|(y(?=z)))", "lookarounds"),
+        (r"(ab", "missing )"),
+    ],
+)
+def test_regexes_the_grammar_engine_cannot_compile_are_refused(pattern, names):
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "structured_outputs": {"regex": pattern}})
+    with pytest.raises(RequestError) as e:
+        req.check()
+    assert names in e.value.message and e.value.param == "structured_outputs"
