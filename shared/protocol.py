@@ -27,17 +27,29 @@ def _check_schema(schema: Any, param: str) -> None:
 
 
 def _check_regex(pattern: str) -> None:
-    """The regex must be one the worker's grammar engine (xgrammar) compiles, so a bad one is a 400 here and never a
-    failed job. xgrammar cannot run in the API (it imports torch), and it reads a narrower dialect than Python: no
-    lookarounds, backreferences, conditionals, word boundaries, named groups, inline flags, possessive or atomic
-    repeats. Python's parser finds those; none of the libraries at hand checks a pattern against xgrammar's dialect."""
+    """The regex must be one the worker's grammar engine (xgrammar) compiles, and means there what it means in
+    Python, so a bad one is a 400 here and never a failed (or wrongly constrained) job. xgrammar cannot run in the API
+    (it imports torch), and it reads a narrower dialect than Python: no lookarounds, backreferences, conditionals,
+    word boundaries, string anchors (it reads `\\A` as the letter A), named groups, inline flags, comments,
+    possessive or atomic repeats, `{,n}`, `\\N{...}`. Python's parser finds most of those, a scan of the text the
+    rest; none of the libraries at hand checks a pattern against xgrammar's dialect."""
+    try:
+        found = _regex_problem(pattern)
+    except (re.error, OverflowError) as e:
+        raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+    except RecursionError as e:
+        raise RequestError("structured_outputs.regex is nested too deeply.", "structured_outputs") from e
+    if found is not None:
+        raise RequestError(
+            f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
+        )
+
+
+def _regex_problem(pattern: str) -> str | None:
     from re import _constants as c  # type: ignore[attr-defined]  # private, and so not in typeshed
     from re import _parser  # type: ignore[attr-defined]
 
-    try:
-        parsed = _parser.parse(pattern)
-    except re.error as e:
-        raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+    parsed = _parser.parse(pattern)
     refused = {
         c.ASSERT: "lookarounds",
         c.ASSERT_NOT: "lookarounds",
@@ -47,14 +59,19 @@ def _check_regex(pattern: str) -> None:
         c.POSSESSIVE_REPEAT_ONE: "possessive repeats",
         c.ATOMIC_GROUP: "atomic groups",
     }
-    boundaries = {c.AT_BOUNDARY, c.AT_NON_BOUNDARY}
+    anchors = {
+        c.AT_BOUNDARY: "word boundaries (\\b, \\B)",
+        c.AT_NON_BOUNDARY: "word boundaries (\\b, \\B)",
+        c.AT_BEGINNING_STRING: "string anchors (\\A, \\Z)",
+        c.AT_END_STRING: "string anchors (\\A, \\Z)",
+    }
 
     def problem(node: Any) -> str | None:
         for op, arg in node:
             if op in refused:
                 return refused[op]
-            if op is c.AT and arg in boundaries:
-                return "word boundaries (\\b, \\B)"
+            if op is c.AT and arg in anchors:
+                return anchors[arg]
             if op is c.SUBPATTERN and (arg[1] or arg[2]):
                 return "inline flags"
             for sub in arg if isinstance(arg, (list, tuple)) else ():
@@ -65,15 +82,42 @@ def _check_regex(pattern: str) -> None:
                         return found
         return None
 
-    found = problem(parsed)
-    if found is None and parsed.state.groupdict:
-        found = "named groups"
-    if found is None and parsed.state.flags & ~re.UNICODE:
-        found = "inline flags"
-    if found is not None:
-        raise RequestError(
-            f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
-        )
+    if found := problem(parsed):
+        return found
+    if parsed.state.groupdict:
+        return "named groups"
+    # Global flags can only open a pattern, and (?u) changes nothing Python's parser would show.
+    if parsed.state.flags & ~re.UNICODE or re.match(r"\(\?[aiLmsux]+\)", pattern):
+        return "inline flags"
+    return _text_problem(pattern)
+
+
+def _text_problem(pattern: str) -> str | None:
+    """What Python's parser leaves no trace of: comments, `{,n}` (read as `{0,n}`), named characters, and a class
+    opening with `]`."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern.startswith("\\N{", i):
+            return "named characters (\\N{...})"
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern[i] == "[":
+            i += 1
+            i += pattern.startswith("^", i)
+            if pattern.startswith("]", i):  # a member to Python, an error to xgrammar; `\]` is a member to both
+                return "an unescaped ] first in a class"
+            while i < n and pattern[i] != "]":
+                if pattern.startswith("\\N{", i):
+                    return "named characters (\\N{...})"
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif pattern.startswith("(?#", i):
+            return "comments"
+        elif pattern.startswith("{,", i):
+            return "repeats with no lower bound ({,n})"
+        else:
+            i += 1
+    return None
 
 
 # --- the HTTP request ---------------------------------------------------------------------------------
@@ -228,7 +272,7 @@ class GenerationRequest(BaseModel):
         extra = self.model_extra or {}
         for name, harmless in UNSUPPORTED_FIELDS.items():
             value = extra.get(name)
-            asks_nothing = value is None or value == harmless or harmless is None and value in (False, [], {})
+            asks_nothing = value in (None, [], {}) or value == harmless or harmless is None and value is False
             if not asks_nothing:
                 raise RequestError(f"`{name}` is not supported by this server", name)
 
@@ -339,9 +383,9 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
 
-    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured, so
-    # they are refused rather than dropped.
-    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
+    # that asks for something (not null or false) is refused in check(), rather than dropped.
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
 
     def kinds(self) -> list[str]:
         return [
@@ -428,6 +472,11 @@ class ChatCompletionRequest(GenerationRequest):
             _check_schema(fmt.json_schema.schema_, "response_format")
         so = self.structured_outputs
         if so is not None:
+            for name, value in (so.model_extra or {}).items():
+                if value is not None and value is not False:
+                    raise RequestError(
+                        f"`structured_outputs.{name}` is not supported by this server", f"structured_outputs.{name}"
+                    )
             kinds = so.kinds()
             if len(kinds) != 1:
                 raise RequestError(

@@ -23,15 +23,16 @@ except ImportError:  # the CPU path needs no Triton
     triton = None
 
 
-def paged_decode_works(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the Triton kernel compiles on this device and agrees with SDPA at these head shapes. Checked once at
+def paged_decode_works(
+    heads: int, kv_heads: int, head_dim: int, block: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether the Triton kernel compiles on this device and agrees with SDPA at these head and block shapes. Once at
     start: a kernel that failed at its first step would fail every sequence of it, where gathering the context
     instead only costs speed."""
     if triton is None:
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        block = 16
         kc, vc = (torch.randn(4 * block, kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
         q = torch.randn(2, heads, head_dim, generator=gen).to(device, dtype)
         table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=device)

@@ -79,7 +79,7 @@ class PagedForward:
         self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
         kc = cache.k[0]
         self.paged = kc.is_cuda and attention.paged_decode_works(
-            attn.config.num_attention_heads, kc.shape[1], self.head_dim, kc.dtype, kc.device
+            attn.config.num_attention_heads, kc.shape[1], self.head_dim, cache.block_size, kc.dtype, kc.device
         )
         if cache.k[0].is_cuda:
             # Where torch prefers cuDNN's attention (Hopper, recent cuDNN), it builds a plan for every new pair of
@@ -137,12 +137,12 @@ class PagedForward:
             kp = kc.index_select(0, context).transpose(0, 1)[None]  # [1, kvh, L, hd]
             vp = vc.index_select(0, context).transpose(0, 1)[None]
             gqa = True
-            if mask is not None:
+            groups = q.shape[1] // kp.shape[1]
+            if mask is not None and groups > 1:
                 # A masked chunk (a continued prompt, a cached prefix) cannot use CUDA's flash attention, and the
                 # memory-efficient kernel takes no grouped heads: left grouped, it would fall to the math kernel,
                 # whose score matrix for a long chunk against a long context is gigabytes. Repeating the K/V heads
                 # costs one copy of this chunk's context instead (on every device, so the CPU tests run this path).
-                groups = q.shape[1] // kp.shape[1]
                 kp, vp, gqa = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1), False
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None],

@@ -44,7 +44,13 @@ def test_regexes_in_the_grammar_engines_dialect_pass(pattern):
         (r"a++", "possessive repeats"),
         (r"(?>a)", "atomic groups"),
         (r"(x|(y(?=z)))", "lookarounds"),
+        (r"\A\d+\Z", "string anchors"),
+        (r"a{,3}", "no lower bound"),
+        (r"(?#note)a", "comments"),
+        (r"(?u)a", "inline flags"),
+        (r"[\N{DIGIT ONE}]", "named characters"),
         (r"(ab", "missing )"),
+        ("(" * 1000 + ")" * 1000, "nested too deeply"),
     ],
 )
 def test_regexes_the_grammar_engine_cannot_compile_are_refused(pattern, names):
@@ -52,3 +58,24 @@ def test_regexes_the_grammar_engine_cannot_compile_are_refused(pattern, names):
     with pytest.raises(RequestError) as e:
         req.check()
     assert names in e.value.message and e.value.param == "structured_outputs"
+
+
+def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
+    harmless = {"disable_any_whitespace": False, "whitespace_pattern": None, "json_object": None}
+    body = {
+        "messages": MESSAGES,
+        "modalities": [],
+        "length_penalty": 1.0,
+        "structured_outputs": {"regex": "a", **harmless},
+    }
+    ChatCompletionRequest.model_validate(body).check()
+    for extra, param in (
+        ({"modalities": ["audio"]}, "modalities"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+    ):
+        with pytest.raises(RequestError) as e:
+            ChatCompletionRequest.model_validate({"messages": MESSAGES, **extra}).check()
+        assert e.value.param == param

@@ -53,16 +53,17 @@ def test_keys_past_a_sequences_length_are_not_read():
 
 def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
     device = torch.device(DEV)
-    assert attention.paged_decode_works(14, 2, 64, torch.float32, device)
+    assert attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
+    assert not attention.paged_decode_works(14, 2, 64, 24, torch.float32, device)  # tiles are powers of two
 
     def wrong(q, *args):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(attention, "decode_paged", wrong)
-    assert not attention.paged_decode_works(14, 2, 64, torch.float32, device)
+    assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
 
     def broken(*args):
         raise RuntimeError("no kernel image is available for execution on the device")
 
     monkeypatch.setattr(attention, "decode_paged", broken)
-    assert not attention.paged_decode_works(14, 2, 64, torch.float32, device)
+    assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)

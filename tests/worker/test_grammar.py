@@ -361,7 +361,8 @@ def test_model_follows_regex_and_choice(
 @pytest.mark.parametrize(
     "pattern",
     [r"\d{3}-\d{4}", r"(?:ab)+c*?", r"^(yes|no)$", r"(?<=a)b", r"x(?!y)", r"(a)\1", r"(a)?(?(1)b|c)", r"\bword"]
-    + [r"(?P<year>\d+)", r"(?i)yes", r"(?i:yes)", r"a++", r"(?>a)", r"[^\W\d]+"],
+    + [r"(?P<year>\d+)", r"(?i)yes", r"(?i:yes)", r"a++", r"(?>a)", r"[^\W\d]+", r"a{,3}", r"a{0,3}", r"(?#c)ab"]
+    + [r"(?u)a", r"\N{DIGIT ONE}", r"[{,]x", r"[]a]+"],
 )
 def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(pattern):
     req = ChatCompletionRequest.model_validate(
@@ -378,3 +379,15 @@ def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(p
     except RuntimeError:
         compiles = False
     assert refused != compiles
+
+
+def test_string_anchors_are_refused_because_the_grammar_engine_reads_them_as_letters():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    grammar = xgr.Grammar.from_regex(r"\A\d+\Z")  # compiles, but not to what Python means by it
+    assert accepts(grammar, "A12Z") and not accepts(grammar, "12")
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": r"\A\d+\Z"}}
+    )
+    with pytest.raises(RequestError, match="string anchors"):
+        req.check()

@@ -25,7 +25,8 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path):
     (p,) = sampling_params(ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), defaults)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
 
-    # Explicit values win, nulls included (read as left out); without a generation_config the defaults are neutral.
+    # Explicit values win, and null takes the model's default as leaving the field out does; without a
+    # generation_config the defaults are neutral.
     body = {"messages": MESSAGES, "temperature": 0.0, "min_p": 0.0, "repetition_penalty": None, "top_k": None}
     (p,) = sampling_params(ChatCompletionRequest.model_validate(body), 10, frozenset({2}), defaults)
     assert (p.temperature, p.min_p, p.repetition_penalty, p.top_k) == (0.0, 0.0, 1.1, 20)
