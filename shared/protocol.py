@@ -12,6 +12,8 @@ from typing import Any, Literal, get_args
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared import regex_dialect
+
 
 def _check_schema(schema: Any, param: str) -> None:
     """A JSON schema must itself be valid JSON Schema, so a bad one is a 400 here and never a failed job."""
@@ -27,14 +29,10 @@ def _check_schema(schema: Any, param: str) -> None:
 
 
 def _check_regex(pattern: str) -> None:
-    """The regex must be one the worker's grammar engine (xgrammar) compiles, and means there what it means in
-    Python, so a bad one is a 400 here and never a failed (or wrongly constrained) job. xgrammar cannot run in the API
-    (it imports torch), and it reads a narrower dialect than Python: no lookarounds, backreferences, conditionals,
-    word boundaries, string anchors (it reads `\\A` as the letter A), named groups, inline flags, comments,
-    possessive or atomic repeats, `{,n}`, `\\N{...}`. Python's parser finds most of those, a scan of the text the
-    rest; none of the libraries at hand checks a pattern against xgrammar's dialect."""
+    """The regex must be one the worker's grammar engine compiles and reads as Python does, so a bad one is a 400
+    here and never a failed (or wrongly constrained) job."""
     try:
-        found = _regex_problem(pattern)
+        found = regex_dialect.problem(pattern)
     except (re.error, OverflowError) as e:
         raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
     except RecursionError as e:
@@ -43,81 +41,6 @@ def _check_regex(pattern: str) -> None:
         raise RequestError(
             f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
         )
-
-
-def _regex_problem(pattern: str) -> str | None:
-    from re import _constants as c  # type: ignore[attr-defined]  # private, and so not in typeshed
-    from re import _parser  # type: ignore[attr-defined]
-
-    parsed = _parser.parse(pattern)
-    refused = {
-        c.ASSERT: "lookarounds",
-        c.ASSERT_NOT: "lookarounds",
-        c.GROUPREF: "backreferences",
-        c.GROUPREF_EXISTS: "conditional groups",
-        c.POSSESSIVE_REPEAT: "possessive repeats",
-        c.POSSESSIVE_REPEAT_ONE: "possessive repeats",
-        c.ATOMIC_GROUP: "atomic groups",
-    }
-    anchors = {
-        c.AT_BOUNDARY: "word boundaries (\\b, \\B)",
-        c.AT_NON_BOUNDARY: "word boundaries (\\b, \\B)",
-        c.AT_BEGINNING_STRING: "string anchors (\\A, \\Z)",
-        c.AT_END_STRING: "string anchors (\\A, \\Z)",
-    }
-
-    def problem(node: Any) -> str | None:
-        for op, arg in node:
-            if op in refused:
-                return refused[op]
-            if op is c.AT and arg in anchors:
-                return anchors[arg]
-            if op is c.SUBPATTERN and (arg[1] or arg[2]):
-                return "inline flags"
-            for sub in arg if isinstance(arg, (list, tuple)) else ():
-                if isinstance(sub, _parser.SubPattern) and (found := problem(sub)):
-                    return found
-                for branch in sub if isinstance(sub, list) else ():
-                    if isinstance(branch, _parser.SubPattern) and (found := problem(branch)):
-                        return found
-        return None
-
-    if found := problem(parsed):
-        return found
-    if parsed.state.groupdict:
-        return "named groups"
-    # Global flags can only open a pattern, and (?u) changes nothing Python's parser would show.
-    if parsed.state.flags & ~re.UNICODE or re.match(r"\(\?[aiLmsux]+\)", pattern):
-        return "inline flags"
-    return _text_problem(pattern)
-
-
-def _text_problem(pattern: str) -> str | None:
-    """What Python's parser leaves no trace of: comments, `{,n}` (read as `{0,n}`), named characters, and a class
-    opening with `]`."""
-    i, n = 0, len(pattern)
-    while i < n:
-        if pattern.startswith("\\N{", i):
-            return "named characters (\\N{...})"
-        if pattern[i] == "\\":
-            i += 2
-        elif pattern[i] == "[":
-            i += 1
-            i += pattern.startswith("^", i)
-            if pattern.startswith("]", i):  # a member to Python, an error to xgrammar; `\]` is a member to both
-                return "an unescaped ] first in a class"
-            while i < n and pattern[i] != "]":
-                if pattern.startswith("\\N{", i):
-                    return "named characters (\\N{...})"
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-        elif pattern.startswith("(?#", i):
-            return "comments"
-        elif pattern.startswith("{,", i):
-            return "repeats with no lower bound ({,n})"
-        else:
-            i += 1
-    return None
 
 
 # --- the HTTP request ---------------------------------------------------------------------------------
@@ -171,8 +94,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-# Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (besides
-# null, false and empty): sending another is a 400 naming the field, never a silent no-op.
+# Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (null and
+# empty do too, and false where that value is null): sending another is a 400 naming the field, never a silent no-op.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,

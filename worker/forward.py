@@ -81,11 +81,11 @@ class PagedForward:
         self.paged = kc.is_cuda and attention.paged_decode_works(
             attn.config.num_attention_heads, kc.shape[1], self.head_dim, cache.block_size, kc.dtype, kc.device
         )
-        if cache.k[0].is_cuda:
+        if kc.is_cuda:
             # Where torch prefers cuDNN's attention (Hopper, recent cuDNN), it builds a plan for every new pair of
             # prompt and context lengths, tens of milliseconds each, and a server sees new lengths all the time.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        if not cache.k[0].is_cuda:
+        if not kc.is_cuda:
             # nn.Linear computes x @ W.T from a row-major W; MKL's sgemm does that 2-3x slower than x @ W with W
             # laid out column-major at the 8-48 rows of a decode step (the same at one row and from 64 rows on).
             # So on CPU every weight is laid out column-major once: the same values, modules and math.

@@ -139,5 +139,5 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
-            raise RequestError(f"Tool call arguments must be a JSON string: {e}", f"{param}.function.arguments") from e
+            raise RequestError(f"Tool call arguments are not valid JSON: {e}", f"{param}.function.arguments") from e
     return {**call, "function": {**function, "arguments": arguments}}

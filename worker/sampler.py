@@ -121,10 +121,12 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     masking again changes nothing), so the rows can be sampled again."""
     dev = logits.device
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    want_rows = to_device(dev, want)  # indexing with a list would copy it to the device and wait
-    raw = logits[want_rows].log_softmax(dim=-1) if want else None
-    shaping = to_device(dev, [i for i, r in enumerate(rows) if r.params.shapes_logits])
-    unshaped = logits[shaping] if len(shaping) else None  # a copy
+    # Row indexes as device tensors: indexing with a list would copy it to the device and wait.
+    want_rows = to_device(dev, want) if want else None
+    raw = logits[want_rows].log_softmax(dim=-1) if want_rows is not None else None
+    shaping = [i for i, r in enumerate(rows) if r.params.shapes_logits]
+    shaping_rows = to_device(dev, shaping) if shaping else None
+    unshaped = logits[shaping_rows] if shaping_rows is not None else None  # a copy
     try:
         _shape(logits, rows)
         if any(r.grammar is not None for r in rows):
@@ -135,7 +137,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
         # One row failed: the caller samples the rows again one by one, and a bias or penalty already added to the
         # rows before it would then count twice.
         if unshaped is not None:
-            logits[shaping] = unshaped
+            logits[shaping_rows] = unshaped
         raise
     if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1)
@@ -152,7 +154,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
         tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
     ids = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
-    if raw is not None:
+    if raw is not None and want_rows is not None:
         k = max(rows[i].params.logprobs or 0 for i in want)
         vals, top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         chosen = raw.gather(1, tokens[want_rows][:, None])[:, 0].tolist()
