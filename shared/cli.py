@@ -208,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         prepare_model(settings)
         return 0
     if args.command == "chat":
-        return chat(settings, args.prompt, args.max_tokens, args.temperature)
+        try:
+            return chat(settings, args.prompt, args.max_tokens, args.temperature)
+        except BrokenPipeError:
+            # The reader went away (`chatq chat ... | head`): leaving closes the stream, which cancels the job.
+            # stdout is pointed at /dev/null so the interpreter's final flush does not fail a second time.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
     if args.command == "job":
         return job(settings, args.action, args.id)
     if not settings.redis_url:

@@ -337,7 +337,8 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
-    reasoning_effort: str | None = None
+    # vLLM's set; the value itself only reaches the chat template.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
 
     @property

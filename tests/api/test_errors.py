@@ -53,6 +53,7 @@ INVALID = [
     ({"messages": M, "logprobs": True, "top_logprobs": 21}, 400, BAD, "top_logprobs"),
     ({"messages": M, "stream_options": {"include_usage": True}}, 400, BAD, "stream_options"),
     ({"messages": M, "stop_token_ids": [10**8]}, 400, BAD, "stop_token_ids"),
+    ({"messages": M, "reasoning_effort": "extreme"}, 400, BAD, "reasoning_effort"),
     ({"messages": M, "continue_final_message": True}, 400, BAD, "continue_final_message"),
     (
         {

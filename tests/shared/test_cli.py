@@ -69,6 +69,19 @@ def test_up_serves_a_chat_and_flower_then_stops_on_ctrl_c(tmp_path: Path) -> Non
         )
         assert chat.returncode == 0, chat.stderr
         assert chat.stdout.strip(), "the streamed answer was empty"
+        # A reader that leaves early (`chatq chat ... | head -c 1`) ends the command quietly.
+        piped = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "chat", "Count to twenty.", "--max-tokens", "64"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert piped.stdout is not None and piped.stderr is not None
+        assert piped.stdout.read(1)
+        piped.stdout.close()
+        assert piped.wait(timeout=120) == 141
+        assert piped.stderr.read() == b""
         _wait_for(f"http://127.0.0.1:{flower_port}/", up, log, timeout=60)
 
         os.killpg(up.pid, signal.SIGINT)

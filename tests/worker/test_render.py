@@ -42,11 +42,12 @@ def test_tools_reach_the_template(renderer):
 
 
 def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
-    # Tool-call arguments as objects (a template writes them with tojson), reasoning under both names, documents.
+    # Tool-call arguments as objects (a template writes them with tojson), reasoning under both names, documents,
+    # reasoning_effort.
     template = (
         "{% for m in messages %}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments | tojson }}\n"
         "{% endfor %}{% if m.reasoning_content %}THOUGHT {{ m.reasoning_content }}={{ m.reasoning }}\n{% endif %}"
-        "{% endfor %}{% for d in documents or [] %}DOC {{ d.text }}\n{% endfor %}"
+        "{% endfor %}{% for d in documents or [] %}DOC {{ d.text }}\n{% endfor %}EFFORT {{ reasoning_effort }}"
     )
     shutil.copy(Settings().model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
@@ -58,8 +59,9 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": calls},
     ]
-    text = Renderer(tmp_path).render(req(messages=messages, documents=[{"text": "Paris is sunny."}])).text
-    assert text == 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\n'
+    request = req(messages=messages, documents=[{"text": "Paris is sunny."}], reasoning_effort="low")
+    text = Renderer(tmp_path).render(request).text
+    assert text == 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\nEFFORT low'
 
 
 def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer):
