@@ -69,7 +69,8 @@ def text_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
     return {
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [dict(t.top) for t in tokens],
+        # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
+        "top_logprobs": [{t.token: t.logprob, **dict(t.top)} for t in tokens],
         "text_offset": offsets,
     }
 

@@ -24,6 +24,7 @@ class Plan:
     reasoning: bool  # a reasoning parser splits the output
     tools_parsed: bool  # tool calls may come out of the text
     named_tool: bool  # a named tool_choice: finish_reason stays "stop"
+    forced_tools: bool = False  # a named or "required" tool_choice: the output is the calls
 
 
 def sampling_params(
@@ -116,4 +117,5 @@ def plan(
     if reasoning:
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
         make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
-    return Plan(params, grammar, make_parser, reasoning, tools_parsed, req.forced_tool is not None)
+    named = req.forced_tool is not None
+    return Plan(params, grammar, make_parser, reasoning, tools_parsed, named, named or req.tool_choice == "required")

@@ -44,6 +44,7 @@ class Choice:
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
     sent_chars: int = 0  # characters streamed so far (legacy text_offset)
+    reasoning_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -83,7 +84,6 @@ class JobRun:
         self.error: str | None = None
         self.rejected: dict[str, Any] | None = None
         self.last_seq = 0
-        self.reasoning_tokens = 0
         self.progress_at = 0.0
         self.eos_ids = frozenset(eos_ids)
         self.continuous_usage = False
@@ -109,7 +109,13 @@ class JobRun:
             self.include_reasoning = req.include_reasoning
         else:
             self.chunks = chunks.TextChunks(job.id, job.created, job.model)
-            self.echo = decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False) if req.echo else ""
+            # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
+            if not req.echo:
+                self.echo = ""
+            elif isinstance(req.prompt, str) and req.truncate_prompt_tokens is None:
+                self.echo = req.prompt
+            else:
+                self.echo = decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
             self.include_reasoning = True
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
@@ -117,6 +123,8 @@ class JobRun:
         room = max_model_len - len(prompt)
         max_tokens = min(req.max_new_tokens or room, room)
         self.plan = plan(req, max_tokens, self.eos_ids, defaults, compiler, settings)
+        # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
+        self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
@@ -139,15 +147,17 @@ class JobRun:
     def completion_tokens(self) -> int:
         return sum(len(c.seq.output_ids) for c in self.choices)
 
-    def usage(self) -> dict[str, Any]:
-        """So far; the same object in every chunk that carries usage and in the final result."""
-        reasoning = self.reasoning_tokens if self.plan.reasoning else None
-        return chunks.usage(len(self.job.prompt_ids), self.completion_tokens, reasoning)
+    def usage(self, choices: list[Choice] | None = None) -> dict[str, Any]:
+        """Of all choices (the final usage), or of those given (a chunk's running usage: vLLM counts its choice)."""
+        choices = self.choices if choices is None else choices
+        completion = sum(len(c.seq.output_ids) for c in choices)
+        reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
+        return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
 
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
-            data["usage"] = self.usage()
+            data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
         return Event(seq=self.last_seq, event=kind, data=data)
 
     def start(self) -> list[Event]:
@@ -175,13 +185,15 @@ class JobRun:
         # The token that ended the sequence (EOS, a stop token id) is not part of the text.
         ended_by_token = out.finish is Finish.stop and out.token in seq.params.stop_token_ids
         if out.token is not None and not ended_by_token:
-            if out.logprob is not None:
+            if out.logprob is not None and not self.hide_logprobs:
                 choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top))
             # min_tokens holds off stop strings as well as stop tokens.
             piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
-            if self.plan.reasoning and getattr(choice.parser, "state", "content") != "content":
-                self.reasoning_tokens += 1
+            thinking = self.plan.reasoning and getattr(choice.parser, "state", "content") != "content"
             delta = choice.parser.feed(piece.text)
+            # A token of the thought, not of its tags; one with no text yet (part of a character) counts too.
+            if thinking and (delta.reasoning or not piece.text):
+                choice.reasoning_tokens += 1
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
                 stop_now = out.finish is None
@@ -250,10 +262,10 @@ class JobRun:
             content, reasoning, tool_calls = c.message.result()
             if self.plan.reasoning and not content:
                 content = None  # vLLM's reasoning parsers answer "no content after the reasoning" with null
-            if self.plan.named_tool:
-                content = ""  # vLLM's shape: the call is the answer, content is empty rather than null
+            if self.plan.forced_tools:
+                content = content or ""  # vLLM's shape when the calls are the answer: empty rather than null
             logprobs = None
-            if c.seq.params.logprobs is not None:
+            if c.seq.params.logprobs is not None and not self.hide_logprobs:
                 logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs, len(self.echo))
             final.append(
                 self.chunks.final_choice(

@@ -17,7 +17,7 @@ from api.errors import JobNotFound
 from api.jobs import JobStore
 from bench.zero_engine import ZeroEngine
 from shared import keys
-from shared.protocol import ChatCompletionRequest, EventKind, Job, JobStatus
+from shared.protocol import ChatCompletionRequest, CompletionRequest, EventKind, Job, JobStatus
 from shared.queue import make_celery
 from shared.settings import Settings
 from tests.helpers import cancel_job
@@ -25,6 +25,7 @@ from worker import runner as runner_module
 from worker.engine import Finish, Output
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
+from worker.sampler import TokenLogprob
 
 WORKER = "runner-test@host"
 
@@ -90,6 +91,55 @@ def test_each_choice_finishes_once_and_usage_comes_last(decoder):
     assert [c["message"]["content"] for c in end.result["choices"]] == ["ok", "ok"]
 
 
+def test_running_usage_counts_the_chunks_own_choice(decoder):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    run = JobRun(job(n=2, temperature=1.0, stream=True, stream_options=opts), decoder, [2], 100, settings=Settings())
+    events = run.start()
+    for c in run.choices:  # choice 0 ends before choice 1 starts: their counts must not mix
+        for t in ids(decoder, " one two"):
+            c.seq.output_ids.append(t)
+            events += run.on_output(c, Output(c.seq, t, None))[0]
+        c.seq.output_ids.append(2)
+        events += run.on_output(c, Output(c.seq, 2, Finish.stop))[0]
+    events += run.end()[0]
+    chunks = [e.data for e in events if e.event is EventKind.chunk]
+    for index in (0, 1):
+        running = [
+            c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+        ]
+        assert running == [0, 1, 2, 3]  # the role chunk, two tokens, the finish (after the stop token)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_required_tool_calls_leave_content_empty_not_null(decoder):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    _, result = run_text(decoder, text, Settings(), tools=tools, tool_choice="required")
+    message = result["choices"][0]["message"]
+    assert message["content"] == "" and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert result["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_legacy_echo_is_the_prompt_as_sent_and_top_logprobs_hold_the_sampled_token(decoder):
+    prompt = "Caf\u00e9  au   lait"  # decoding its ids could normalise it; the echo must not
+    request = CompletionRequest(prompt=prompt, echo=True, logprobs=1, stream=False)
+    run = JobRun(
+        Job(id="cmpl-test", model="m", request=request, prompt_ids=ids(decoder, prompt)),
+        decoder,
+        [2],
+        100,
+        settings=Settings(),
+    )
+    run.start()
+    c = run.choices[0]
+    sampled, likelier = ids(decoder, " yes")[0], ids(decoder, " no")[0]
+    c.seq.output_ids.append(sampled)
+    run.on_output(c, Output(c.seq, sampled, Finish.length, TokenLogprob(-2.0, [(likelier, -0.5)])))
+    [choice] = run.end()[1].result["choices"]
+    assert choice["text"] == prompt + " yes"
+    assert choice["logprobs"]["top_logprobs"] == [{" yes": -2.0, " no": -0.5}]
+
+
 def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple[list, dict]:
     run = JobRun(job(**fields), decoder, eos_ids=[2], max_model_len=200, settings=settings)
     events = run.start()
@@ -126,16 +176,19 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
     text = "<think>The user greets me.</think>\n\nHello!"
     events, result = run_text(decoder, text, settings)
     message = result["choices"][0]["message"]
-    assert (message["reasoning"], message["content"]) == ("The user greets me.", "Hello!")
+    assert (message["reasoning"], message["content"]) == ("The user greets me.", "\n\nHello!")
+    # The thought's own tokens; not those of its tags.
     reasoning_tokens = result["usage"]["completion_tokens_details"]["reasoning_tokens"]
-    assert 0 < reasoning_tokens < result["usage"]["completion_tokens"]
+    assert reasoning_tokens == len(ids(decoder, "The user greets me."))
     deltas = [e.data["choices"][0]["delta"] for e in events if e.event is EventKind.chunk and e.data["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == "The user greets me."
-    assert "".join(d.get("content", "") for d in deltas) == "Hello!"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nHello!"
 
-    _, hidden = run_text(decoder, text, settings, include_reasoning=False)
-    assert "reasoning" not in hidden["choices"][0]["message"]
+    # Hidden reasoning is still counted, and its tokens do not show through logprobs either.
+    events, hidden = run_text(decoder, text, settings, include_reasoning=False, logprobs=True, stream=True)
+    assert "reasoning" not in hidden["choices"][0]["message"] and hidden["choices"][0]["logprobs"] is None
     assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] == reasoning_tokens
+    assert all(c["logprobs"] is None for e in events if e.event is EventKind.chunk for c in e.data["choices"])
 
     _, off = run_text(decoder, "Just an answer.", settings, chat_template_kwargs={"enable_thinking": False})
     assert off["choices"][0]["message"]["content"] == "Just an answer."

@@ -20,12 +20,10 @@ class ReasoningParser:
         # "start": may still see the start tag; "reasoning": inside the thought; "content": after it.
         self.state = "start" if thinking_enabled else "content"
         self.buf = ""  # held back: a possible start tag, or a possible partial end tag
-        # Models put blank lines after the end tag; they are layout, not content.
-        self.skip_space = thinking_enabled
 
     def feed(self, text: str) -> Delta:
         if self.state == "content":
-            return self._content(text)
+            return self.inner.feed(text)
         self.buf += text
         if self.state == "start":
             head = self.buf.lstrip()
@@ -38,7 +36,7 @@ class ReasoningParser:
         if i >= 0:
             thought, rest = self.buf[:i], self.buf[i + len(self.end) :]
             self.buf, self.state = "", "content"
-            out = self._content(rest)
+            out = self.inner.feed(rest)
             out.reasoning = thought + out.reasoning
             return out
         keep = partial_tag_len(self.buf, self.end)
@@ -50,11 +48,3 @@ class ReasoningParser:
         # Still thinking when generation ended: whatever was held back (a partial tag) is reasoning too.
         out.reasoning, self.buf = self.buf + out.reasoning, ""
         return out
-
-    def _content(self, text: str) -> Delta:
-        if self.skip_space:
-            text = text.lstrip()
-            if not text:
-                return Delta()
-            self.skip_space = False
-        return self.inner.feed(text)

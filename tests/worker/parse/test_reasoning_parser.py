@@ -11,13 +11,14 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 # (text, content, reasoning)
 CASES = [
     ("<think>I think</think>Answer", "Answer", "I think"),
-    ("<think>\nLet me see.\n</think>\n\nParis.", "Paris.", "\nLet me see.\n"),  # qwen3 layout
-    ("Hmm, 2+2.\n</think>\n\n4", "4", "Hmm, 2+2.\n"),  # deepseek_r1: start tag was in the prompt
+    # qwen3's layout: the blank line after the end tag is content, as vLLM splits it.
+    ("<think>\nLet me see.\n</think>\n\nParis.", "\n\nParis.", "\nLet me see.\n"),
+    ("Hmm, 2+2.\n</think>\n\n4", "\n\n4", "Hmm, 2+2.\n"),  # deepseek_r1: start tag was in the prompt
     ("\n<think>a</think>b", "b", "a"),
     ("<think>still thinking", "", "still thinking"),  # no end tag: all reasoning
     ("just thinking, no tags", "", "just thinking, no tags"),
     ("<think></think>Hi", "Hi", None),
-    ("<think>x</think>\n\n", "", "x"),
+    ("<think>x</think>\n\n", "\n\n", "x"),
     ("", "", None),
     # Partial or look-alike tags are reasoning text, never dropped or leaked into content.
     ("a </thi b</think>c", "c", "a </thi b"),
