@@ -1,14 +1,18 @@
 """KV cache blocks: who holds which, and which full prompt blocks can be shared (prefix caching).
 
-A block that holds the K/V of a full block of prompt tokens is registered under a hash of the whole prefix up to
-its end. A later sequence whose prompt starts the same way takes those blocks instead of computing them again:
-chat requests share a system prompt and a template header, so their first blocks are usually the same.
+A block that holds the K/V of a full block of prompt tokens is registered under a digest of the whole prefix up
+to its end. A later sequence whose prompt starts the same way takes those blocks instead of computing them again:
+chat requests share a system prompt and a template header, so their first blocks are usually the same. The digest
+is SHA-256, not Python's hash(): tuple hashes can be made to collide on purpose, and a forged match would give one
+client's prompt another's cached keys and values.
 Blocks nobody holds but whose content is registered stay reusable until the pool needs them (least recently
 released first).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from typing import Protocol
 
@@ -16,7 +20,7 @@ from typing import Protocol
 class HoldsBlocks(Protocol):
     prompt_ids: list[int]
     blocks: list[int]
-    block_hashes: list[int]  # hashes of the full prompt blocks registered so far
+    block_hashes: list[bytes]  # digests of the full prompt blocks registered so far
     num_cached: int
 
 
@@ -27,8 +31,8 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self.idle: OrderedDict[int, None] = OrderedDict()  # held by nobody, content still registered
         self.refs = [0] * num_blocks
-        self.by_hash: dict[int, int] = {}
-        self.hash_of: dict[int, int] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
         self.hits = 0  # prompt tokens whose computation a shared block saved
 
     def available(self) -> int:
@@ -67,10 +71,10 @@ class BlockManager:
     def reuse_prefix(self, seq: HoldsBlocks) -> None:
         """Before a sequence's first prefill: take every registered block its prompt starts with."""
         bs, prompt = self.block_size, seq.prompt_ids
-        h = 0
+        h = b""
         # At least the last prompt token is computed again: its logits give the first output token.
         for i in range((len(prompt) - 1) // bs):
-            h = hash((h, tuple(prompt[i * bs : (i + 1) * bs])))
+            h = _digest(h, prompt[i * bs : (i + 1) * bs])
             block = self.by_hash.get(h)
             if block is None:
                 break
@@ -86,10 +90,14 @@ class BlockManager:
         """After a forward pass: make the sequence's newly completed full prompt blocks shareable."""
         bs, prompt = self.block_size, seq.prompt_ids
         for i in range(len(seq.block_hashes), min(seq.num_cached, len(prompt)) // bs):
-            prev = seq.block_hashes[-1] if seq.block_hashes else 0
-            h = hash((prev, tuple(prompt[i * bs : (i + 1) * bs])))
+            prev = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = _digest(prev, prompt[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
             block = seq.blocks[i]
             if h not in self.by_hash and block not in self.hash_of:
                 self.by_hash[h] = block
                 self.hash_of[block] = h
+
+
+def _digest(prefix: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(prefix + array("q", tokens).tobytes()).digest()

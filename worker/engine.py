@@ -53,7 +53,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: what the output may be
     finish: Finish | None = None

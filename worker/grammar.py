@@ -12,8 +12,8 @@ For scale, one decode step of SmolLM2-135M there is ~100 ms at batch 1 and ~400 
 is well under 1% of a step at batch 1 and ~2% at batch 32 with every row constrained (mostly the masking).
 
 Usage: one `GrammarCompiler` per worker; per request, one of its methods gives a `Grammar`; per sequence a
-`GrammarState(grammar)`; each step `apply_masks(logits, states)` before sampling (after any logit bias, so a bias
-can never re-enable a token the grammar forbids), then `state.accept(token)` for the sampled token. Once the grammar
+`GrammarState(grammar)`; each step `apply_masks(logits, states)` before sampling (a logit bias added after it
+leaves a forbidden token at -inf), then `state.accept(token)` for the sampled token. Once the grammar
 is complete and cannot go on, the mask allows only EOS; accepting it makes `is_terminated()` true, and the engine
 finishes the sequence with "stop". `accept` returning False means a bug (the token was masked): end with an error.
 """

@@ -111,10 +111,10 @@ def plan(
         one_call = not req.parallel_tool_calls
         inner = lambda: FirstCallOnly(factory(tool_names)) if one_call else factory(tool_names)  # noqa: E731
         tools_parsed = True
-    # A grammar shapes the whole output, so there is no free-form thinking to split off.
-    reasoning = bool(settings.reasoning_parser) and grammar is None
+    reasoning = bool(settings.reasoning_parser)
     make_parser = inner
     if reasoning:
+        # A grammar then shapes what follows the thought (the runner applies it once the thought ends), as in vLLM.
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
         make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
     named = req.forced_tool is not None

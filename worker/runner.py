@@ -24,7 +24,7 @@ from worker import chunks
 from worker.chunks import TokenInfo
 from worker.detokenize import TextStream
 from worker.engine import Engine, Finish, Output, Sequence
-from worker.grammar import GrammarCompiler, GrammarState
+from worker.grammar import Grammar, GrammarCompiler, GrammarState
 from worker.parse import Delta, Message, Parser
 from worker.plan import plan
 from worker.publish import JobEnd, Outbox, Publisher, StepWrites
@@ -45,6 +45,7 @@ class Choice:
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
     sent_chars: int = 0  # characters streamed so far (legacy text_offset)
     reasoning_tokens: int = 0
+    grammar: Grammar | None = None  # constrains the output once the reasoning ends
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -129,15 +130,18 @@ class JobRun:
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
             seq = Sequence(f"{job.id}/{i}", prompt, params, priority=req.priority)
-            if self.plan.grammar is not None:
+            parser = self.plan.make_parser()
+            thinking = getattr(parser, "state", "content") != "content"
+            if self.plan.grammar is not None and not thinking:
                 seq.grammar = GrammarState(self.plan.grammar)
             text = TextStream(
                 decoder.tokenizer,
                 req.stop,
+                prompt_ids=prompt,
                 skip_special_tokens=skip_special,
                 include_stop=req.include_stop_str_in_output,
             )
-            self.choices.append(Choice(i, seq, text, self.plan.make_parser()))
+            self.choices.append(Choice(i, seq, text, parser, grammar=self.plan.grammar if thinking else None))
 
     @property
     def finished(self) -> bool:
@@ -194,6 +198,8 @@ class JobRun:
             # A token of the thought, not of its tags; one with no text yet (part of a character) counts too.
             if thinking and (delta.reasoning or not piece.text):
                 choice.reasoning_tokens += 1
+            if choice.grammar is not None and getattr(choice.parser, "state", "content") == "content":
+                seq.grammar, choice.grammar = GrammarState(choice.grammar), None  # from the next token on
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
                 stop_now = out.finish is None
@@ -249,6 +255,16 @@ class JobRun:
 
     def end(self) -> tuple[list[Event], JobEnd]:
         """The job's closing events and final record, once every choice finished."""
+        seq = self.last_seq
+        try:
+            return self._end()
+        except Exception as e:  # this job fails alone; the step's other writes must still go out
+            log.exception("job %s failed while building its result", self.job.id)
+            self.last_seq, self.rejected = seq, None  # no gap in the event numbers
+            self.error = f"building the result failed ({type(e).__name__})"
+            return self._end()
+
+    def _end(self) -> tuple[list[Event], JobEnd]:
         completion_tokens = self.completion_tokens
         if self.rejected is not None:
             events = [self._event(EventKind.error, {"error": self.rejected}), self._event(EventKind.done)]

@@ -1,7 +1,8 @@
 """Per-sequence sampling over a batch of logits: every row keeps its own parameters, history and seed.
 
-Order as in vLLM: min_tokens, logit_bias and penalties shape the logits, a grammar masks what it forbids, then
-temperature, top-k, top-p and min-p pick the candidates. Logprobs come from the model's raw distribution.
+Order as in vLLM: a grammar masks what it forbids; logprobs are taken there (the model's distribution over what the
+grammar allows); then min_tokens, logit_bias and penalties shape the logits, and temperature, top-k, top-p and
+min-p pick the candidates.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
 def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     dev = scaled.device
     params = [r.params for r in rows]
-    if any(p.top_k > 0 for p in params):
-        k = to_device(dev, [p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params])
+    vocab = scaled.shape[-1]
+    if any(0 < p.top_k < vocab for p in params):  # a top_k of the vocabulary's size or more keeps every token
+        k = to_device(dev, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
@@ -117,41 +119,29 @@ def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [B, V] float32, modified in place. Returns one token id and its logprobs (if asked) per row.
 
-    If a row's parameters or grammar fail, no bias or penalty stays added to any row (a grammar's mask may stay, and
-    masking again changes nothing), so the rows can be sampled again."""
+    If any row fails, no bias or penalty stays added to any row (a grammar's mask may stay, and masking again
+    changes nothing), so the caller can sample the rows again one by one."""
     dev = logits.device
+    if any(r.grammar is not None for r in rows):
+        from worker.grammar import apply_masks
+
+        # First, as vLLM masks before its sampler: logprobs are then those of what the grammar allows.
+        apply_masks(logits, [r.grammar for r in rows])
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     # Row indexes as device tensors: indexing with a list would copy it to the device and wait.
     want_rows = to_device(dev, want) if want else None
-    raw = logits[want_rows].log_softmax(dim=-1) if want_rows is not None else None
+    # A token the grammar forbids reads -9999, vLLM's floor: JSON has no -inf.
+    raw = logits[want_rows].log_softmax(dim=-1).clamp_(min=-9999.0) if want_rows is not None else None
     shaping = [i for i, r in enumerate(rows) if r.params.shapes_logits]
     shaping_rows = to_device(dev, shaping) if shaping else None
     unshaped = logits[shaping_rows] if shaping_rows is not None else None  # a copy
     try:
         _shape(logits, rows)
-        if any(r.grammar is not None for r in rows):
-            from worker.grammar import apply_masks
-
-            apply_masks(logits, [r.grammar for r in rows])
+        tokens = _pick(logits, rows)
     except Exception:
-        # One row failed: the caller samples the rows again one by one, and a bias or penalty already added to the
-        # rows before it would then count twice.
         if unshaped is not None:
             logits[shaping_rows] = unshaped
         raise
-    if all(r.params.greedy for r in rows):
-        tokens = logits.argmax(dim=-1)
-    else:
-        greedy = to_device(dev, [r.params.greedy for r in rows], torch.bool)
-        temps = to_device(dev, [max(r.params.temperature, GREEDY_BELOW) for r in rows], logits.dtype)
-        probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
-        # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw
-        # their noise from their own generator, so a seed gives the same text whatever else shares the batch.
-        noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
     ids = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw is not None and want_rows is not None:
@@ -163,3 +153,19 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
             n = rows[i].params.logprobs or 0
             logprobs[i] = TokenLogprob(chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
     return ids, logprobs
+
+
+def _pick(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    dev = logits.device
+    if all(r.params.greedy for r in rows):
+        return logits.argmax(dim=-1)
+    greedy = to_device(dev, [r.params.greedy for r in rows], torch.bool)
+    temps = to_device(dev, [max(r.params.temperature, GREEDY_BELOW) for r in rows], logits.dtype)
+    probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
+    # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw
+    # their noise from their own generator, so a seed gives the same text whatever else shares the batch.
+    noise = torch.empty_like(probs).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))

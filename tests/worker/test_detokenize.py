@@ -60,3 +60,28 @@ def test_include_stop_keeps_the_stop_string(tok):
     ids = tok.encode(TEXT, add_special_tokens=False).ids
     pieces, stop = feed(TextStream(tok, ["STOP"], include_stop=True), ids)
     assert "".join(pieces) == "Hello wörld 😀, the end is near. STOP"
+
+
+def test_a_stop_string_begun_before_min_tokens_ends_the_text_where_it_completes(tok):
+    # "Hello wor" is sent while min_tokens holds stops off; "o world" completes once they count, as vLLM finds it.
+    stream = TextStream(tok, ["o world"])
+    ids = [tok.token_to_id(t) for t in ["Hello", "Ġwor", "ld", "!"]]
+    pieces = [stream.add(ids[0], check_stops=False).text, stream.add(ids[1], check_stops=False).text]
+    last = stream.add(ids[2])
+    assert pieces == ["Hello", " wor"] and (last.text, last.stop) == ("", "o world")
+    # A stop wholly inside the text sent before stops counted is not one.
+    early = TextStream(tok, ["lo"])
+    assert early.add(ids[0], check_stops=False).text == "Hello" and early.add(ids[1]).stop is None
+
+
+def test_the_first_word_keeps_its_space_after_the_prompt():
+    # A SentencePiece decoder drops the space before the first word of a text; after the prompt it is not first.
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5}
+    sp = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    assert sp.decode([4, 5]) == "Paris."  # on its own, the space is gone
+    stream = TextStream(sp, [], prompt_ids=[1, 2, 3])
+    assert stream.add(4).text + stream.add(5).text == " Paris."

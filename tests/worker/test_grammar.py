@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from shared.protocol import ChatCompletionRequest, RequestError
 from shared.settings import Settings
 from worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
 from worker.render import Renderer
+from worker.sampler import Row, SamplingParams, sample
 
 MODEL_DIR = Settings().model_dir
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
@@ -190,6 +192,18 @@ def test_apply_masks_only_touches_rows_with_a_grammar(compiler: GrammarCompiler,
     assert {"yes", "no"} <= set(firsts) and all("yes".startswith(f) or "no".startswith(f) for f in firsts)
     apply_masks(logits, [None] * 4)
     assert torch.equal(logits, expected)
+
+
+def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    # As vLLM reports them: the grammar masks before logprobs are taken; a forbidden token reads -9999, not -inf.
+    logits = torch.randn(1, VOCAB)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=20)
+    [token], [lp] = sample(logits, [Row(params, None, [], [], GrammarState(compiler.choice(["yes", "no"])))])
+    assert lp is not None and lp.logprob == lp.top[0][1] and lp.top[0][0] == token
+    allowed = [(t, v) for t, v in lp.top if v > -9999]
+    assert sum(math.exp(v) for _, v in allowed) == pytest.approx(1.0, abs=1e-4)
+    assert all("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t])) for t, _ in allowed)
+    assert all(v == -9999 for _, v in lp.top[len(allowed) :])
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from shared.settings import Settings
 from tests.helpers import cancel_job
 from worker import runner as runner_module
 from worker.engine import Finish, Output
+from worker.grammar import GrammarCompiler
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
 from worker.sampler import TokenLogprob
@@ -218,6 +219,30 @@ def test_streamed_usage_counts_reasoning_like_the_answer(decoder):
     )
 
 
+def test_a_grammar_holds_what_follows_the_reasoning_not_the_reasoning(decoder):
+    model_dir = Settings().model_dir
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(model_dir, vocab, eos_token_ids=[2])
+    settings = Settings(reasoning_parser="qwen3")
+
+    def started(**fields) -> JobRun:
+        fields = {"response_format": {"type": "json_object"}, **fields}
+        run = JobRun(job(**fields), decoder, [2], 200, settings=settings, compiler=compiler)
+        run.start()
+        return run
+
+    run = started()
+    c = run.choices[0]
+    for t in ids(decoder, "<think>Free text, not JSON.</think>"):
+        assert c.seq.grammar is None  # the thought is free, as in vLLM
+        c.seq.output_ids.append(t)
+        run.on_output(c, Output(c.seq, t, None))
+    assert c.seq.grammar is not None and all(c.seq.grammar.accept(t) for t in ids(decoder, '{"a": 1}'))
+    assert not c.seq.grammar.accept(ids(decoder, "x")[0])
+    # Thinking switched off: the format holds from the first token.
+    assert started(chat_template_kwargs={"enable_thinking": False}).choices[0].seq.grammar is not None
+
+
 def test_hermes_calls_from_auto_tool_choice(decoder):
     settings = Settings(tool_parser="hermes")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -259,8 +284,9 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
-    good, bad, broken, cancelled = (f"chatcmpl-runner-{name}" for name in ("good", "bad", "broken", "cancelled"))
-    handle, make_plan = JobRun.on_output, runner_module.plan
+    names = ("good", "bad", "broken", "unfinished", "cancelled")
+    good, bad, broken, unfinished, cancelled = (f"chatcmpl-runner-{name}" for name in names)
+    handle, make_plan, finish = JobRun.on_output, runner_module.plan, JobRun._end
 
     def on_output(self: JobRun, choice, out):  # a parser bug, hit by one job's third token
         if self.job.id == bad and len(choice.seq.output_ids) == 3:
@@ -272,10 +298,17 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
             raise KeyError("no such parser")
         return make_plan(req, *args)
 
+    def end(self: JobRun):  # a bug met while building one job's result
+        if self.job.id == unfinished and self.error is None:
+            raise RuntimeError("result bug")
+        return finish(self)
+
     monkeypatch.setattr(JobRun, "on_output", on_output)
+    monkeypatch.setattr(JobRun, "_end", end)
     monkeypatch.setattr(runner_module, "plan", plan)
     jobs = [
-        job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id}) for job_id in (good, bad, broken)
+        job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id})
+        for job_id in (good, bad, broken, unfinished)
     ] + [job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled})]
     for j in jobs:  # as the API's submit and a worker's claim leave them
         r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
@@ -303,10 +336,16 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert [e["event"] for e in broken_events] == ["error", "done"]
     assert broken_events[0]["data"]["error"]["message"] == "preparing the job failed (KeyError)"
     assert r.hget(keys.job(broken), "status") == "failed"
+    unfinished_events = events(unfinished)
+    assert [e["event"] for e in unfinished_events[-2:]] == ["error", "done"]
+    assert unfinished_events[-2]["data"]["error"]["message"] == "building the result failed (RuntimeError)"
+    assert [e["seq"] for e in unfinished_events] == list(range(1, len(unfinished_events) + 1))
+    assert r.hget(keys.job(unfinished), "status") == "failed"
     assert events(cancelled)[-1]["event"] == "done" and r.hget(keys.job(cancelled), "status") == "cancelled"
     # What the Celery task returns, and Flower shows.
     assert [run.status for run in runs] == [
         JobStatus.completed,
+        JobStatus.failed,
         JobStatus.failed,
         JobStatus.failed,
         JobStatus.cancelled,

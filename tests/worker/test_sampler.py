@@ -53,6 +53,16 @@ def test_truncation_keeps_only_the_allowed_candidates():
         assert sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0] == 1
 
 
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(max_tokens=10, temperature=2.0, top_k=1000)
+    drawn = {sample(torch.tensor([BASE]), [Row(p, gen, [], [])])[0][0] for _ in range(300)}
+    assert len(drawn) == len(BASE)
+    # Beside a biased greedy row, which keeps its own answer.
+    biased = Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={7: 2.5}), None, [], [])
+    assert sample(torch.tensor([BASE, BASE]), [biased, Row(p, gen, [], [])])[0][0] == 7
+
+
 def test_rows_keep_their_own_parameters_in_one_batch():
     logits = torch.tensor([BASE, BASE, BASE])
     rows = [
