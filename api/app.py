@@ -38,6 +38,8 @@ from shared.queue import make_celery
 from shared.settings import Settings
 from worker.render import Renderer
 
+MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
+
 
 class EventStream(EventSourceResponse):
     """sse-starlette's response without its per-frame cancel scope when no send timeout is set: entering and leaving
@@ -245,7 +247,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def get_chat_completion(
         job_id: str,
         stream: bool = False,
-        starting_after: int | None = Query(default=None, ge=0),
+        starting_after: int | None = Query(default=None, ge=0, le=MAX_SEQ),
         last_event_id: str | None = Header(default=None),
     ) -> Any:
         job = await store.get(job_id)
@@ -253,11 +255,15 @@ def create_app(settings: Settings) -> FastAPI:
             return await store.view(job)
         after = starting_after
         if after is None and last_event_id:
-            try:
-                after = int(last_event_id)
-            except ValueError as e:
-                raise BadRequest("Last-Event-ID must be an event sequence number", "Last-Event-ID") from e
-        return sse(job.id, after or 0, cancel_on_disconnect=False)
+            after = int(last_event_id) if last_event_id.isdigit() else -1
+            if not 0 <= after <= MAX_SEQ:
+                raise BadRequest("Last-Event-ID must be an event sequence number.", "Last-Event-ID")
+        after = after or 0
+        last = await relay.last_seq(job.id) if job.status.finished else None
+        if last is not None and after >= last:
+            # The client has every event, `done` included: 204 also tells a browser's EventSource to stop.
+            return Response(status_code=204)
+        return sse(job.id, after, cancel_on_disconnect=False)
 
     @app.post("/v1/chat/completions/{job_id}/cancel")
     async def cancel_chat_completion(job_id: str) -> Any:

@@ -63,12 +63,14 @@ def _param(loc: tuple) -> str | None:
     parts = [
         str(p)
         for p in loc
-        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p[:1].islower() and p not in _TYPE_STEPS))
+        if p not in _LOCATIONS
+        and (isinstance(p, int) or (p.isidentifier() and p[:1].islower() and p not in _TYPE_STEPS))
     ]
     return ".".join(parts) or None
 
 
 _TYPE_STEPS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_LOCATIONS = {"body", "query", "header", "path"}  # where FastAPI found the value, not a field's name
 
 
 def _first_error(errors: list[dict]) -> dict:

@@ -69,13 +69,8 @@ class JobStore:
         self._check(job_id)
         done = Event(seq=1, event=EventKind.done).to_json()
         status = await self._cancel(
-            keys=[
-                keys.job(job_id),
-                keys.events(job_id),
-                keys.live(job_id),
-                keys.waiting(self.settings.model_name),  # the one model this API serves
-            ],
-            args=[self.settings.result_ttl, done, job_id, keys.cancels(""), "1" if delete else "0"],
+            keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)],
+            args=[self.settings.result_ttl, done, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting("")],
         )
         if status is None:
             raise JobNotFound(job_id)

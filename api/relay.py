@@ -216,6 +216,16 @@ class Relay:
             return None
         return [Event.from_json(fields["msg"]) for _, fields in entries]
 
+    async def last_seq(self, job_id: str) -> int | None:
+        """The number of the job's last logged event, 0 if none is; None if its log cannot be read."""
+        try:
+            entries: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
+                keys.events(job_id), count=1
+            )
+        except aioredis.ResponseError:
+            return None
+        return int(entries[0][0].split("-")[1]) if entries else 0
+
     async def batches(self, job_id: str, after: int = 0) -> AsyncIterator[list[Event]]:
         """Every event of the job with seq > after, each once and in order, in batches of whatever arrived
         together; the last batch ends with the `done` event."""
@@ -231,6 +241,8 @@ class Relay:
                 batch, gap = [], False
                 for event in backlog:
                     if event.seq <= last:
+                        if event.event is EventKind.done:  # resumed past the end: nothing more will come
+                            return
                         continue
                     if event.seq > last + 1:
                         gap = True

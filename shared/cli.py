@@ -122,25 +122,35 @@ def up(settings: Settings, with_flower: bool = True) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        if signalled[:1] == [signal.SIGINT]:
-            # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
-            # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
-            try:
-                deadline = time.time() + 5
-                while time.time() < deadline and any(p.poll() is None for p in procs):
-                    time.sleep(0.1)
-            except KeyboardInterrupt:
-                pass
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if redis_server:
-            redis_server.stop()
+        try:
+            _stop(procs, gently=signalled[:1] == [signal.SIGINT])
+        except KeyboardInterrupt:  # asked again while waiting (a worker finishing its jobs): stop waiting
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        finally:
+            # Redis goes last, whatever happened above, and is not interrupted while it saves.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if redis_server:
+                redis_server.stop()
+
+
+def _stop(procs: list[subprocess.Popen], gently: bool) -> None:
+    if gently:
+        # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
+        # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
+        deadline = time.time() + 5
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in reversed(procs):
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _base_url(settings: Settings) -> str:

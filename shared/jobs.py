@@ -32,11 +32,14 @@ redis.call('SREM', KEYS[3], ARGV[3])
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: job, events, live, waiting zset. ARGV: ttl, done message, job id, keys.cancels(""), "1" to delete the job.
+# KEYS: job, events, live. ARGV: ttl, done message, job id, keys.cancels(""), "1" to delete the job,
+# keys.waiting("").
 # A queued job is cancelled here and its log closed. A running one is named in its worker's cancel set, which that
 # worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
-# The set's name is completed here from the record (the holding worker is only known once read), so the script names
-# a key it was not given: fine on one Redis server, not on a Redis Cluster.
+# The names of the waiting set and the cancel set are completed here from the record (its model, its holding
+# worker), so the script names keys it was not given: fine on one Redis server, not on a Redis Cluster.
+# A log that cannot take the `done` entry (its key holds another type) does not stop the cancel: the event is still
+# published, as PUBLISH_EVENTS does, and readers of the log learn it is lost.
 # Deleted, a job is gone for readers at once. A running one's record and log stay, hidden, until its worker's last
 # write removes them (or they expire, should that write never come): until then its id is taken, so a job submitted
 # again under it cannot meet the old run's writes in its own log. Returns the status, nil for no such job.
@@ -45,8 +48,8 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
-  redis.call('ZREM', KEYS[4], ARGV[3])
-  redis.call('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
+  redis.call('ZREM', ARGV[6] .. redis.call('HGET', KEYS[1], 'model'), ARGV[3])
+  redis.pcall('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 elseif status == 'in_progress' then

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import openai
 import redis
+import redis.asyncio as aioredis
 
+from api.jobs import JobStore
 from shared import keys
+from shared.protocol import ChatCompletionRequest
+from shared.queue import make_celery
 from shared.settings import Settings
-from tests.helpers import content_of, frames, stream, wait_for
+from tests.helpers import cancel_job, content_of, frames, stream, wait_for
 
 LONG = [{"role": "user", "content": "Count from 1 to 200, one number per line."}]
 
@@ -62,6 +67,27 @@ def test_late_subscriber_gets_every_event_once_in_order(http: httpx.Client):
         http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true", "starting_after": str(k + 3)}
     )
     assert [f.id for f in after] == [f.id for f in fs[k + 3 :]]
+
+    # Resuming from the last event (as a browser's EventSource does after [DONE]): nothing is left, and a 204,
+    # rather than a stream that never ends, says so.
+    url = f"/v1/chat/completions/{job['id']}"
+    assert http.get(url, params={"stream": "true"}, headers={"Last-Event-ID": str(fs[-1].id)}).status_code == 204
+    assert http.get(url, params={"stream": "true", "starting_after": "999999"}).status_code == 204
+    # Numbers that cannot be events are a 400 naming where they came from.
+    for params, headers, param in (
+        ({"starting_after": str(2**64)}, {}, "starting_after"),
+        ({"starting_after": "-1"}, {}, "starting_after"),
+        ({}, {"Last-Event-ID": "-5"}, "Last-Event-ID"),
+        ({}, {"Last-Event-ID": "x"}, "Last-Event-ID"),
+    ):
+        bad = http.get(url, params={"stream": "true", **params}, headers=headers)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_a_stream_resumed_past_a_running_jobs_end_ends_with_it(http: httpx.Client):
+    job = submit(http, 60)
+    fs = stream(http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true", "starting_after": "5000"})
+    assert fs == [] and http.get(f"/v1/chat/completions/{job['id']}").json()["status"] == "completed"
 
 
 def test_live_stream_joined_mid_job_matches_the_log(http: httpx.Client, r: redis.Redis):
@@ -170,3 +196,26 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
         wait_for(http, h["id"], lambda j: j["status"] == "cancelled", timeout=60)
     final = http.get(f"/v1/chat/completions/{last}").json()
     assert final["status"] == "cancelled" and final["progress"]["completion_tokens"] == 0
+
+
+def test_a_queued_job_of_another_model_leaves_its_own_queue_when_cancelled(settings: Settings, r: redis.Redis):
+    # Job ids are global, so any API may cancel a job: the job's own model's queue must lose it. Its log key holding
+    # another type of value must not stop the cancel either.
+    async def submit_elsewhere() -> str:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            store = JobStore(client, make_celery(settings), settings)
+            request = ChatCompletionRequest(messages=LONG)
+            job, _ = await store.submit(request, "chat", "another-model", [1, 2, 3], None)
+            return job.id
+        finally:
+            await client.aclose()
+
+    job_id = asyncio.run(submit_elsewhere())
+    for queue in r.scan_iter(keys.celery_queue("another-model") + "*"):  # its task: no worker serves that model
+        r.delete(queue)
+    assert r.zscore(keys.waiting("another-model"), job_id) is not None
+    r.set(keys.events(job_id), "not a log")
+    cancel_job(settings, job_id)
+    assert r.zscore(keys.waiting("another-model"), job_id) is None
+    assert r.hget(keys.job(job_id), "status") == "cancelled" and r.ttl(keys.job(job_id)) > 0

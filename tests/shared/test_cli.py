@@ -97,3 +97,53 @@ def test_up_serves_a_chat_and_flower_then_stops_on_ctrl_c(tmp_path: Path) -> Non
     assert not re.search(r"chatq\.generate\[[^\]]*\] (received|succeeded)", output), output[-3000:]
     with pytest.raises(httpx.ConnectError):  # every service stopped with it
         httpx.get(f"http://127.0.0.1:{api_port}/health", timeout=2)
+
+
+# `chatq up` with its services replaced by processes that ignore Ctrl-C and SIGTERM, as a worker finishing its jobs
+# does, and its Redis by one that records being stopped.
+STUBBORN_UP = """
+import subprocess, sys
+from pathlib import Path
+import shared.cli as cli, shared.embedded_redis as embedded
+
+out = Path(sys.argv[1])
+class Redis:
+    url = "redis://127.0.0.1:1/0"
+    def __init__(self, *args, **kwargs): pass
+    def start(self):
+        self.proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        return self
+    def stop(self):
+        self.proc.kill()
+        (out / "redis-stopped").write_text("yes")
+embedded.EmbeddedRedis = Redis
+cli.prepare_model = lambda settings: None
+def stubborn(settings):
+    return ["bash", "-c", f"trap '' INT TERM; echo $$ >> {out}/pids; exec sleep 60"]
+cli.worker_command = cli.api_command = cli.flower_command = stubborn
+sys.exit(cli.up(cli.Settings(redis_url="")))
+"""
+
+
+def test_a_second_ctrl_c_stops_everything_at_once(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CHATQ_REDIS_URL"} | {"CHATQ_CACHE_DIR": str(tmp_path)}
+    up = subprocess.Popen([sys.executable, "-c", STUBBORN_UP, str(tmp_path)], cwd=ROOT, env=env)
+    pids = tmp_path / "pids"
+    deadline = time.time() + 30
+    while not (pids.exists() and len(pids.read_text().split()) == 3):
+        assert time.time() < deadline and up.poll() is None
+        time.sleep(0.1)
+    up.send_signal(signal.SIGINT)
+    time.sleep(6)  # past the moment the services get to stop by themselves: `up` now waits on them
+    assert up.poll() is None
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=10) == 0
+    assert (tmp_path / "redis-stopped").read_text() == "yes"
+    assert not [pid for pid in pids.read_text().split() if _running(pid)]
+
+
+def _running(pid: str) -> bool:
+    try:  # a process killed but not yet reaped by whoever inherited it is a zombie: not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
