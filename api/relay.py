@@ -131,12 +131,16 @@ class Subscriber:
                 await self._read(reader)
             except (OSError, hiredis.ProtocolError) as e:
                 log.warning("pub/sub connection lost (%s); streams resync from the log", e)
+            except Exception:  # whatever it was, the streams must not stall: start afresh, they resync
+                log.exception("pub/sub reader failed; streams resync from the log")
+                await asyncio.sleep(0.5)
             finally:
                 self._writer = None
                 writer.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        parser = hiredis.Reader(encoding="utf-8")
+        # A message that is not UTF-8 (not one of ours) becomes one a stream cannot read, not a dead reader.
+        parser = hiredis.Reader(encoding="utf-8", errors="replace")
         while data := await reader.read(1 << 16):
             parser.feed(data)
             while (reply := parser.gets()) is not False:

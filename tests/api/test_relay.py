@@ -169,3 +169,25 @@ def test_a_password_protected_redis(tmp_path) -> None:
         assert asyncio.run(main()) == [1, 2]
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_foreign_message_on_one_channel_stalls_no_other_stream(settings: Settings, r: redis.Redis) -> None:
+    polluted, clean = "chatcmpl-relay-polluted", "chatcmpl-relay-clean"
+
+    async def main() -> list[int]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        relay = Relay(client, settings.redis_url)
+        bad = asyncio.create_task(collect(relay, polluted))
+        good = asyncio.create_task(collect(relay, clean))
+        await until_subscribed(client, keys.live(polluted))
+        await until_subscribed(client, keys.live(clean))
+        r.publish(keys.live(polluted), b"\xff\xfe not ours")  # not even UTF-8
+        await asyncio.sleep(0.1)
+        publish(r, clean, 1, 2, 3, last=3)
+        seqs = await good
+        bad.cancel()
+        await client.aclose()
+        return seqs
+
+    assert asyncio.run(main()) == [1, 2, 3]
