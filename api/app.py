@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -39,6 +40,7 @@ from shared.settings import Settings
 from worker.render import Renderer
 
 MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
+CANCEL_WAIT = 5.0  # seconds a cancel waits for a running job to stop
 
 
 class EventStream(EventSourceResponse):
@@ -141,20 +143,21 @@ def create_app(settings: Settings) -> FastAPI:
             headers={"X-Accel-Buffering": "no"},
         )
 
+    async def ended(job_id: str, after: int = 0) -> Event:
+        """The job's `done` event, once it ended."""
+        async for event in relay.events(job_id, after):
+            if event.event is EventKind.done:
+                return event
+        raise RuntimeError("a job's events ended without `done`")
+
     async def wait_done(job_id: str, request: Request) -> Event | None:
         """The job's `done` event once it ended; None, with the job cancelled, if the client disconnected first."""
-
-        async def ended() -> Event:
-            async for event in relay.events(job_id):
-                if event.event is EventKind.done:
-                    return event
-            raise RuntimeError("a job's events ended without `done`")
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        done_task, gone_task = asyncio.create_task(ended()), asyncio.create_task(disconnected())
+        done_task, gone_task = asyncio.create_task(ended(job_id)), asyncio.create_task(disconnected())
         finished, _ = await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
         for t in (done_task, gone_task):
             t.cancel()
@@ -268,7 +271,16 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions/{job_id}/cancel")
     async def cancel_chat_completion(job_id: str) -> Any:
         await store.cancel(job_id)
-        return await store.view(await store.get(job_id))
+        job = await store.get(job_id)
+        if job.status is JobStatus.in_progress:
+            # Answered once the run stopped (at the worker's next step), so the answer shows the job cancelled;
+            # a worker that does not answer in time leaves it shown running.
+            with contextlib.suppress(TimeoutError):
+                # From the event before the last, so that a `done` already logged is still met.
+                after = max((await relay.last_seq(job.id) or 0) - 1, 0)
+                await asyncio.wait_for(ended(job.id, after), CANCEL_WAIT)
+            job = await store.get(job_id)
+        return await store.view(job)
 
     @app.delete("/v1/chat/completions/{job_id}")
     async def delete_chat_completion(job_id: str) -> Any:

@@ -95,7 +95,7 @@ class JobStore:
             if job.result
             else {
                 "id": job.id,
-                "object": "chat.completion",
+                "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": job.created,
                 "model": job.model,
                 "choices": [],

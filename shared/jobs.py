@@ -48,7 +48,8 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
-  redis.call('ZREM', ARGV[6] .. redis.call('HGET', KEYS[1], 'model'), ARGV[3])
+  local model = redis.call('HGET', KEYS[1], 'model')
+  if model then redis.call('ZREM', ARGV[6] .. model, ARGV[3]) end
   redis.pcall('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
