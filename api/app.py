@@ -145,9 +145,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     async def ended(job_id: str, after: int = 0) -> Event:
         """The job's `done` event, once it ended."""
-        async for event in relay.events(job_id, after):
-            if event.event is EventKind.done:
-                return event
+        # Closed here, not by the garbage collector: closing leaves the job's channel.
+        async with contextlib.aclosing(relay.events(job_id, after)) as events:
+            async for event in events:
+                if event.event is EventKind.done:
+                    return event
         raise RuntimeError("a job's events ended without `done`")
 
     async def wait_done(job_id: str, request: Request) -> Event | None:

@@ -12,11 +12,12 @@ the messages of many of them at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import hiredis
@@ -230,7 +231,7 @@ class Relay:
             return None
         return int(entries[0][0].split("-")[1]) if entries else 0
 
-    async def batches(self, job_id: str, after: int = 0) -> AsyncIterator[list[Event]]:
+    async def batches(self, job_id: str, after: int = 0) -> AsyncGenerator[list[Event], None]:
         """Every event of the job with seq > after, each once and in order, in batches of whatever arrived
         together; the last batch ends with the `done` event."""
         channel = keys.live(job_id)
@@ -274,10 +275,11 @@ class Relay:
         finally:
             self._close(channel, inbox)
 
-    async def events(self, job_id: str, after: int = 0) -> AsyncIterator[Event]:
-        async for batch in self.batches(job_id, after):
-            for event in batch:
-                yield event
+    async def events(self, job_id: str, after: int = 0) -> AsyncGenerator[Event, None]:
+        async with contextlib.aclosing(self.batches(job_id, after)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
 
 
 def lost(last: int) -> list[Event]:
