@@ -81,7 +81,13 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
             continue
         line, dev = logits[i], logits.device
         if len(row.output_ids) < p.min_tokens and p.stop_token_ids:
-            line[to_device(dev, [t for t in p.stop_token_ids if t < vocab])] = float("-inf")
+            stops = to_device(dev, [t for t in p.stop_token_ids if t < vocab])
+            allowed = line[stops]  # a copy
+            line[stops] = float("-inf")
+            if row.grammar is not None:
+                # A complete grammar allows only a stop token: it wins over min_tokens, or no token would be left.
+                # Decided on the device, without waiting for it.
+                line[stops] = torch.where(torch.isneginf(line).all(), allowed, line[stops])
         if p.logit_bias:
             ids = to_device(dev, list(p.logit_bias))
             line.index_add_(0, ids, to_device(dev, list(p.logit_bias.values()), line.dtype))

@@ -162,6 +162,21 @@ def test_complete_grammar_allows_only_eos(compiler: GrammarCompiler, tokenizer: 
     assert allowed(state).nonzero().flatten().tolist() == compiler.eos_token_ids
 
 
+def test_a_complete_grammar_ends_the_output_even_before_min_tokens(compiler: GrammarCompiler, tokenizer: Tokenizer):
+    state = GrammarState(compiler.choice(["yes"]))
+    output = ids(tokenizer, "yes")
+    assert all(state.accept(t) for t in output)
+    eos = compiler.eos_token_ids
+    params = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, stop_token_ids=frozenset(eos))
+    [token], _ = sample(torch.randn(1, VOCAB), [Row(params, None, [], output, state)])
+    assert token in eos and state.accept(token)
+    # Without a grammar, min_tokens still holds the stop tokens off.
+    logits = torch.zeros(1, VOCAB)
+    logits[0, eos] = 10.0
+    [token], _ = sample(logits, [Row(params, None, [], output)])
+    assert token not in eos
+
+
 def test_strict_closes_objects(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     prefix, extra = '{"a": 1', ', "b": 2}'
