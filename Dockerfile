@@ -1,5 +1,7 @@
 FROM python:3.11-slim
 WORKDIR /app
+# Triton (the decode-attention kernel, and xgrammar's mask on CUDA) compiles its launcher with a C compiler at start.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 ARG TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 RUN pip install --no-cache-dir $TORCH

@@ -1,10 +1,11 @@
 # `make run` sets everything up and starts the whole stack; `make test` sets up the same way and runs the tests.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build on machines without a GPU; override on GPU hosts, e.g. TORCH="torch==2.13.0 --index-url ...".
+# Which build `torch==2.13.0` gives depends on where pip finds it (PyPI's Linux wheel is the CUDA one); to choose,
+# e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" (or .../cu128 on GPU hosts).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint clean
 
 setup: $(VENV)/.chatq-setup
 

@@ -116,6 +116,25 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "thinking_token_budget": None,
     "chat_template": None,
     "spaces_between_special_tokens": True,
+    "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
+    "stream_interval": 1,
+    "logits_processors": None,
+    "structural_tag": None,
+    # vLLM's older names for structured outputs, which chatq takes as `structured_outputs` only.
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "watermarking": None,
+    "routed_experts_prompt_start": 0,
+    "return_prompt_text": None,
 }
 MAX_TOP_LOGPROBS = 20
 
@@ -344,6 +363,15 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the model is asked to think: `chat_template_kwargs.enable_thinking` if given, else off only for
+        `reasoning_effort: "none"` (vLLM hands the template that choice as `enable_thinking`)."""
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return kwargs["enable_thinking"] is not False
+        return self.reasoning_effort != "none"
 
     @property
     def num_logprobs(self) -> int | None:

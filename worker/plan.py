@@ -115,7 +115,7 @@ def plan(
     make_parser = inner
     if reasoning:
         # A grammar then shapes what follows the thought (the runner applies it once the thought ends), as in vLLM.
-        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        thinking = req.thinking
         make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
     named = req.forced_tool is not None
     return Plan(params, grammar, make_parser, reasoning, tools_parsed, named, named or req.tool_choice == "required")

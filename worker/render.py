@@ -94,6 +94,7 @@ class Renderer:
         kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+            kwargs.setdefault("enable_thinking", request.thinking)
         # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         if request.documents is not None:

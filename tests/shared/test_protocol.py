@@ -66,11 +66,20 @@ def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
         "messages": MESSAGES,
         "modalities": [],
         "length_penalty": 1.0,
+        "truncation_side": "left",
+        "stream_interval": 1,
+        "guided_json": None,
         "structured_outputs": {"regex": "a", **harmless},
     }
     ChatCompletionRequest.model_validate(body).check()
     for extra, param in (
         ({"modalities": ["audio"]}, "modalities"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),  # vLLM's older name: unconstrained output otherwise
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
+        ({"cache_salt": "s3cret"}, "cache_salt"),
+        ({"truncation_side": "right"}, "truncation_side"),
+        ({"stream_interval": 4}, "stream_interval"),
         (
             {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
             "structured_outputs.disable_any_whitespace",

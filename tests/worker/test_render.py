@@ -47,7 +47,8 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
     template = (
         "{% for m in messages %}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments | tojson }}\n"
         "{% endfor %}{% if m.reasoning_content %}THOUGHT {{ m.reasoning_content }}={{ m.reasoning }}\n{% endif %}"
-        "{% endfor %}{% for d in documents or [] %}DOC {{ d.text }}\n{% endfor %}EFFORT {{ reasoning_effort }}"
+        "{% endfor %}{% for d in documents or [] %}DOC {{ d.text }}\n{% endfor %}EFFORT {{ reasoning_effort }} "
+        "{{ enable_thinking }}"
     )
     shutil.copy(Settings().model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
@@ -61,7 +62,8 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
     ]
     request = req(messages=messages, documents=[{"text": "Paris is sunny."}], reasoning_effort="low")
     text = Renderer(tmp_path).render(request).text
-    assert text == 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\nEFFORT low'
+    expected = 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\nEFFORT low True'
+    assert text == expected
 
 
 def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer):

@@ -193,6 +193,8 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
 
     _, off = run_text(decoder, "Just an answer.", settings, chat_template_kwargs={"enable_thinking": False})
     assert off["choices"][0]["message"]["content"] == "Just an answer."
+    _, effortless = run_text(decoder, "Just an answer.", settings, reasoning_effort="none")  # vLLM: no thinking
+    assert effortless["choices"][0]["message"]["content"] == "Just an answer."
     # Nothing after the reasoning is no content at all, as vLLM's reasoning parsers answer it.
     _, unfinished = run_text(decoder, "Still thinking about it", settings)
     assert unfinished["choices"][0]["message"] == {
