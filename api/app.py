@@ -260,7 +260,7 @@ def create_app(settings: Settings) -> FastAPI:
             return await store.view(job)
         after = starting_after
         if after is None and last_event_id:
-            after = int(last_event_id) if last_event_id.isdigit() else -1
+            after = int(last_event_id) if last_event_id.isascii() and last_event_id.isdigit() else -1
             if not 0 <= after <= MAX_SEQ:
                 raise BadRequest("Last-Event-ID must be an event sequence number.", "Last-Event-ID")
         after = after or 0

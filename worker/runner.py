@@ -131,7 +131,7 @@ class JobRun:
         for i, params in enumerate(self.plan.params):
             seq = Sequence(f"{job.id}/{i}", prompt, params, priority=req.priority)
             parser = self.plan.make_parser()
-            thinking = getattr(parser, "state", "content") != "content"
+            thinking = _thinking(parser)
             if self.plan.grammar is not None and not thinking:
                 seq.grammar = GrammarState(self.plan.grammar)
             text = TextStream(
@@ -193,12 +193,12 @@ class JobRun:
                 choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top))
             # min_tokens holds off stop strings as well as stop tokens.
             piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
-            thinking = self.plan.reasoning and getattr(choice.parser, "state", "content") != "content"
+            thinking = _thinking(choice.parser)
             delta = choice.parser.feed(piece.text)
             # A token of the thought, not of its tags; one with no text yet (part of a character) counts too.
             if thinking and (delta.reasoning or not piece.text):
                 choice.reasoning_tokens += 1
-            if choice.grammar is not None and getattr(choice.parser, "state", "content") == "content":
+            if choice.grammar is not None and not _thinking(choice.parser):
                 seq.grammar, choice.grammar = GrammarState(choice.grammar), None  # from the next token on
             if piece.stop is not None:
                 choice.finish_reason, choice.stop_reason = "stop", piece.stop
@@ -299,6 +299,11 @@ class JobRun:
         waited = status is JobStatus.completed and not req.stream and not req.background
         events.append(self._event(EventKind.done, result if waited else None))
         return events, JobEnd(self.job.id, status, completion_tokens, result=result)
+
+
+def _thinking(parser: Parser) -> bool:
+    """Whether a reasoning parser has yet to see the thought end; other parsers never think."""
+    return getattr(parser, "state", "content") != "content"
 
 
 def _merge(a: Delta, b: Delta) -> Delta:

@@ -86,6 +86,7 @@ def test_late_subscriber_gets_every_event_once_in_order(http: httpx.Client):
         ({"starting_after": "-1"}, {}, "starting_after"),
         ({}, {"Last-Event-ID": "-5"}, "Last-Event-ID"),
         ({}, {"Last-Event-ID": "x"}, "Last-Event-ID"),
+        ({}, {"Last-Event-ID": "\u00b2".encode("latin-1")}, "Last-Event-ID"),  # a digit to isdigit(), not to int()
     ):
         bad = http.get(url, params={"stream": "true", **params}, headers=headers)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
