@@ -240,7 +240,7 @@ def create_app(settings: Settings) -> FastAPI:
     ) -> Any:
         body.check()
         resolve_model(body.model)
-        prompt_ids = admit(body, model.renderer.encode(body.prompt))
+        prompt_ids = admit(body, model.renderer.encode(body.prompt, body.add_special_tokens))
         return await respond(body, "text", prompt_ids, request, x_request_id)
 
     async def finished_response(job: Job) -> JSONResponse:
@@ -298,11 +298,12 @@ def create_app(settings: Settings) -> FastAPI:
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=bool(body.add_special_tokens),
             )
             chat.check()
             ids = model.renderer.render(chat).ids
         elif body.prompt is not None:
-            ids = model.renderer.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+            ids = model.renderer.encode(body.prompt, body.add_special_tokens is not False)
         else:
             raise BadRequest("Either `prompt` or `messages` is required.", "prompt")
         out: dict[str, Any] = {

@@ -16,6 +16,7 @@ from shared.jobs import CANCEL, SUBMIT
 from shared.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
 from shared.queue import celery_priority, task_message
 from shared.settings import Settings
+from worker.chunks import never_ran
 
 # Ids are part of Redis key names, so they must not hold the names' separator: the record of a job "abc:events"
 # would be the event log of job "abc".
@@ -90,17 +91,19 @@ class JobStore:
     async def view(self, job: Job, queue_position: int | None = None) -> dict[str, Any]:
         """The job as a chat.completion object with its status, as GET returns it; a queued job's position is read
         unless given."""
-        obj: dict[str, Any] = (
-            dict(job.result)
-            if job.result
-            else {
+        obj: dict[str, Any]
+        if job.result:
+            obj = dict(job.result)
+        elif job.status is JobStatus.cancelled:
+            obj = never_ran(job)
+        else:
+            obj = {
                 "id": job.id,
                 "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": job.created,
                 "model": job.model,
                 "choices": [],
             }
-        )
         obj["status"] = job.status.value
         progress: dict[str, Any] = {
             "prompt_tokens": len(job.prompt_ids),

@@ -356,6 +356,9 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # Whether the tokenizer adds its own special tokens (a BOS) around the rendered prompt: off, as in vLLM, since
+    # chat templates write them.
+    add_special_tokens: bool = False
     # vLLM's set; the value itself only reaches the chat template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
@@ -474,6 +477,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
 
     @property
     def num_logprobs(self) -> int | None:
@@ -491,7 +495,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # by default, as the completion would be: on for a prompt, off for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -12,7 +12,7 @@ import torch
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.forward import KVCache
-from worker.grammar import GrammarCompiler
+from worker.grammar import GrammarCompiler, warm_up_masks
 from worker.model import ensure_model_dir, load_model
 from worker.publish import Publisher
 from worker.render import Renderer
@@ -53,6 +53,11 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
             max_model_len=max_model_len,
             graph_batch=settings.cuda_graph_batch if on_cuda else 0,
         )
+        if on_cuda:
+            try:
+                warm_up_masks(int(config["vocab_size"]), engine.device)
+            except Exception:  # constrained requests still work, the first ones only start slower
+                log.exception("compiling the grammar mask kernel failed")
         log.info("engine ready: %s on %s, %d KV cache tokens", path.name, engine.device, kv_tokens)
         return engine
 

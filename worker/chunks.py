@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shared.protocol import ChatCompletionRequest, Job
 from worker.parse import Delta
 
 SYSTEM_FINGERPRINT = "chatq"
@@ -139,6 +140,19 @@ class ChatChunks:
 
     def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.final_base, "choices": choices, "usage": usage}
+
+
+def never_ran(job: Job) -> dict[str, Any]:
+    """The answer of a job cancelled before any worker ran it: each choice empty and ended with `abort`, as vLLM
+    answers a request aborted while waiting, so a client reading `choices[0]` learns why there is no text."""
+    req = job.request
+    shapes: ChatChunks
+    if isinstance(req, ChatCompletionRequest):
+        shapes = ChatChunks(job.id, job.created, job.model, req.response_role)
+    else:
+        shapes = TextChunks(job.id, job.created, job.model)
+    choices = [shapes.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
+    return shapes.final(choices, usage(len(job.prompt_ids), 0))
 
 
 class TextChunks(ChatChunks):

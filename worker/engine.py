@@ -133,27 +133,71 @@ class Engine:
             return bool(self.waiting or self.running or self._inbox or self._cancels)
 
     def step(self) -> list[Output]:
-        outputs = self._take_inbox()
+        outputs: list[Output] = []
+        try:
+            self._step(outputs)
+        except Exception as e:
+            # A fault that belongs to no one sequence (the scheduler, the cache's bookkeeping) leaves the engine's
+            # state unknown. Every sequence fails, so that its job ends instead of waiting for a step that raises
+            # again and again, and the engine starts over with an empty cache.
+            log.exception("engine step failed")
+            outputs.extend(self._fail_everything(f"generation failed ({type(e).__name__})"))
+        return outputs
+
+    def _step(self, outputs: list[Output]) -> None:
+        outputs.extend(self._take_inbox())
         scheduled = self._schedule()
         if not scheduled:
-            return outputs
-        batch, emitting = self._build_batch(scheduled)
+            return
         try:
-            if self.graphs is not None and not batch.prefills and batch.num_decode <= self.graphs.max_batch:
-                logits = self.graphs(batch)
-            else:
-                logits = self.forward(batch)
-        except Exception as e:  # the forward pass is shared: if it breaks, every sequence in it failed
+            logits, emitting = self._forward(scheduled)
+        except Exception as e:
             log.exception("forward pass failed")
-            for seq, _ in scheduled:
-                self.running.remove(seq)
-                outputs.append(self._finish(seq, Finish.error, f"generation failed ({type(e).__name__})"))
-            return outputs
+            error = f"generation failed ({type(e).__name__})"
+            # The pass is shared, so every sequence in it failed. When it also carried prompt chunks, the likely
+            # cause is theirs (the memory of a long chunk): those sequences fail, and the running streams try once
+            # more without them.
+            decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
+            prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
+            outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], error))
+            if not prefills or not decodes:
+                return
+            scheduled = decodes
+            try:
+                logits, emitting = self._forward(scheduled)
+            except Exception:
+                log.exception("forward pass failed again without the prompt chunks")
+                outputs.extend(self._fail([seq for seq, _ in scheduled], error))
+                return
         for seq, n in scheduled:
             seq.num_cached += n
             self.blocks.register(seq)
         if emitting:
             outputs.extend(self._sample(emitting, logits))
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        batch, emitting = self._build_batch(scheduled)
+        if self.graphs is not None and not batch.prefills and batch.num_decode <= self.graphs.max_batch:
+            return self.graphs(batch), emitting
+        return self.forward(batch), emitting
+
+    def _fail(self, seqs: list[Sequence], error: str) -> list[Output]:
+        for seq in seqs:
+            self.running.remove(seq)
+        return [self._finish(seq, Finish.error, error) for seq in seqs]
+
+    def _fail_everything(self, error: str) -> list[Output]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        seqs = [s for s in self.running + [w[2] for w in self.waiting] + inbox if s.finish is None]
+        self.running, self.waiting = [], []
+        # Blocks are not handed back one by one: the bookkeeping that failed may be what is wrong.
+        self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
+        outputs = []
+        for seq in seqs:
+            seq.blocks, seq.block_hashes, seq.num_cached = [], [], 0
+            seq.finish, seq.error = Finish.error, error
+            outputs.append(Output(seq, None, Finish.error))
         return outputs
 
     # --- scheduling ------------------------------------------------------------------------------------
@@ -162,10 +206,15 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+        outputs = []
         for seq in inbox:
+            if self.blocks.blocks_for(len(seq) + 1) > self.blocks.num_blocks:
+                # It would wait at the head of the queue for ever, and everything behind it with it.
+                seq.finish, seq.error = Finish.error, "the prompt does not fit in this worker's KV cache"
+                outputs.append(Output(seq, None, Finish.error))
+                continue
             seq.arrival = next(self._order)
             heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
-        outputs = []
         if cancels:
             for seq in [s for s in self.running if s.id in cancels]:
                 self.running.remove(seq)
@@ -310,27 +359,33 @@ class Engine:
                     logprobs.append(None)
         outputs = []
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            if token < 0:
-                self.running.remove(seq)
-                outputs.append(self._finish(seq, Finish.error, seq.error))
+            try:
+                finish, error = self._advance(seq, token)
+            except Exception as e:  # one sequence's grammar must not stop the others' step
+                log.exception("advancing %s failed", seq.id)
+                finish, error = Finish.error, f"generation failed ({type(e).__name__})"
+            if finish is Finish.error:
+                outputs.extend(self._fail([seq], error or "generation failed"))
                 continue
-            seq.output_ids.append(token)
-            finish = None
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                self.running.remove(seq)
-                outputs.append(self._finish(seq, Finish.error, "the grammar rejected a sampled token"))
-                continue
-            stop_token = token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens
-            grammar_done = seq.grammar is not None and seq.grammar.is_terminated()
-            if stop_token or grammar_done:
-                finish = Finish.stop
-            elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-                finish = Finish.length
             if finish:
                 self.running.remove(seq)
                 self._finish(seq, finish)
             outputs.append(Output(seq, token, finish, logprob))
         return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> tuple[Finish | None, str | None]:
+        """Takes a sampled token into the sequence; returns how it ends, if it does, and why if it failed."""
+        if token < 0:
+            return Finish.error, seq.error
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            return Finish.error, "the grammar rejected a sampled token"
+        seq.output_ids.append(token)
+        stop_token = token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens
+        if stop_token or (seq.grammar is not None and seq.grammar.is_terminated()):
+            return Finish.stop, None
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return Finish.length, None
+        return None, None
 
     def _finish(self, seq: Sequence, finish: Finish, error: str | None = None) -> Output:
         self._release(seq)

@@ -94,9 +94,9 @@ class PagedForward:
                     module.weight.data = module.weight.data.t().contiguous().t()
 
     @torch.inference_mode()
-    def __call__(self, b: Batch) -> torch.Tensor:
-        """Next-token logits (float32) of the rows `b.logits_at` names. Decode-only batches make no host sync on
-        CUDA, so the same call can be captured in a CUDA graph."""
+    def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (float32) of the rows `b.logits_at` names, written into `out` if given. Decode-only
+        batches make no host sync on CUDA, so the same call can be captured in a CUDA graph."""
         ctx: Context | None = None
         if b.num_decode and not self.paged:
             assert b.dec_table is not None and b.dec_lens is not None
@@ -111,7 +111,8 @@ class PagedForward:
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h if b.logits_at is None else h[b.logits_at])
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        return logits.float() if out is None else out.copy_(logits)
 
     def _attention(
         self, attn: Any, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None

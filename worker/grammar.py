@@ -142,6 +142,15 @@ def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=list(rows))
 
 
+def warm_up_masks(vocab: int, device: torch.device) -> None:
+    """Compiles xgrammar's CUDA masking kernel (Triton) for the row counts it specializes on (1, a multiple of 16,
+    any other) now, not in the first constrained steps, each of which would stall every stream for about a second."""
+    for n in (1, 2, 16):
+        logits = torch.zeros(n, vocab, device=device)
+        bitmask = xgr.allocate_token_bitmask(n, vocab)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(device), indices=list(range(n)))
+
+
 def tool_calls_schema(tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) -> dict[str, Any]:
     """A JSON array of {"name", "parameters"} calls, at least one, one at most when parallel_tool_calls is false.
     anyOf per tool pairs each name with its own parameters schema (an enum of names could not)."""

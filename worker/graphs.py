@@ -38,8 +38,11 @@ class DecodeGraphs:
         self.table = torch.full((n, max_blocks), self.spare_block, dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.capture = dev.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.capture:
+            # One output for every bucket: an output per graph would hold a [n, V] float32 block for each of the
+            # 35 buckets up to 256 (2-3 GB for a 128k- or 150k-token vocabulary) that the KV-cache sizing never saw.
+            self.out = torch.empty(n, forward.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
             self._capture_all()
 
     @property
@@ -70,10 +73,10 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(batch)
+                self.forward(batch, self.out[:n])
             pool = graph.pool()
-            self.graphs[n] = (graph, logits)
-        for graph, _ in self.graphs.values():  # a graph's first replay uploads it: here, not in a request's step
+            self.graphs[n] = graph
+        for graph in self.graphs.values():  # a graph's first replay uploads it: here, not in a request's step
             graph.replay()
         torch.cuda.synchronize()
 
@@ -94,6 +97,5 @@ class DecodeGraphs:
             self.lens[n:size].fill_(1)
         if not self.capture:
             return self.forward(self._static(size))[:n]
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]
+        self.graphs[size].replay()
+        return self.out[:n]

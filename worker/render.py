@@ -120,11 +120,15 @@ class Renderer:
                     "continue_final_message",
                 )
             text = text[: text.rindex(final) + len(final)]
-        return Prompt(text=text, ids=self.tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
+        return Prompt(text=text, ids=ids)
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """A legacy completion's prompt: text is tokenized with the model's special tokens, ids are taken as is."""
-        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt).ids
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A legacy completion's prompt: text is tokenized (with the model's special tokens unless told otherwise),
+        ids are taken as is."""
+        if isinstance(prompt, list):
+            return list(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
 
 def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:

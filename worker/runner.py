@@ -413,11 +413,13 @@ class Runner:
                 continue
             run, choice = entry
             touched[run.job.id] = run
+            numbered = run.last_seq
             try:
                 events, stop_now = run.on_output(choice, out)
             except Exception as e:  # one job's text handling must not sink the others
                 log.exception("job %s failed while handling its output", run.job.id)
                 run.error = f"output processing failed ({type(e).__name__})"
+                run.last_seq = numbered  # events it numbered are dropped: the error takes the next number
                 events, stop_now = [], False
             if stop_now:
                 self.engine.cancel(out.seq.id)
@@ -425,6 +427,8 @@ class Runner:
                 for c in run.choices:
                     if c.finish_reason is None:
                         c.finish_reason = "error"
+                    # Also a choice a stop string ended whose drop was never asked for, as its handling failed.
+                    if c.seq.finish is None:
                         self.engine.cancel(c.seq.id)
             writes.events.extend((run.job.id, e) for e in events)
         ended = []

@@ -89,14 +89,18 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
                 # Decided on the device, without waiting for it.
                 line[stops] = torch.where(torch.isneginf(line).all(), allowed, line[stops])
         if p.logit_bias:
-            ids = to_device(dev, list(p.logit_bias))
-            line.index_add_(0, ids, to_device(dev, list(p.logit_bias.values()), line.dtype))
+            # Ids are checked against the vocabulary once more here: out of range, index_add_ on CUDA is a device
+            # assert, which ends the process rather than raising for this row.
+            bias = {t: v for t, v in p.logit_bias.items() if 0 <= t < vocab}
+            line.index_add_(0, to_device(dev, list(bias)), to_device(dev, list(bias.values()), line.dtype))
         if p.repetition_penalty != 1.0:
             seen = to_device(dev, sorted(set(row.prompt_ids) | set(row.output_ids)))
             vals = line[seen]
             line[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(to_device(dev, row.output_ids), minlength=vocab)[:vocab]
+            # Not bincount: on CUDA it reads its input's largest id back to size its output, a host sync per row.
+            ids = to_device(dev, row.output_ids)
+            counts = torch.zeros_like(line).index_add_(0, ids, torch.ones_like(ids, dtype=line.dtype))
             line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

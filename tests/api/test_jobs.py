@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -194,6 +196,25 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
         view = http.post(f"/v1/chat/completions/{last}/cancel").json()
         assert view["status"] == "cancelled"
         assert r.zrank(keys.waiting(model_name), last) is None
+        # A client waiting for a queued job's answer learns it was cancelled: each choice ended with `abort`.
+        waiter_id = f"waiter-{uuid.uuid4().hex}"
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(
+                http.post,
+                "/v1/chat/completions",
+                json={"messages": LONG, "max_tokens": 5, "n": 2, "temperature": 1},
+                headers={"X-Request-Id": waiter_id},
+            )
+            wait_for(http, f"chatcmpl-{waiter_id}", lambda j: j.get("status") == "queued")
+            http.post(f"/v1/chat/completions/chatcmpl-{waiter_id}/cancel")
+            answer = waiting.result(timeout=30)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["status"] == "cancelled" and body["usage"]["completion_tokens"] == 0
+        assert [(c["index"], c["finish_reason"], c["message"]["content"]) for c in body["choices"]] == [
+            (0, "abort", ""),
+            (1, "abort", ""),
+        ]
     finally:
         for h in holders:
             http.post(f"/v1/chat/completions/{h['id']}/cancel")
@@ -204,6 +225,7 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
         wait_for(http, h["id"], lambda j: j["status"] == "cancelled", timeout=60)
     final = http.get(f"/v1/chat/completions/{last}").json()
     assert final["status"] == "cancelled" and final["progress"]["completion_tokens"] == 0
+    assert [c["finish_reason"] for c in final["choices"]] == ["abort"]
 
 
 def test_a_queued_job_of_another_model_leaves_its_own_queue_when_cancelled(settings: Settings, r: redis.Redis):

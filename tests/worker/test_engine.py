@@ -9,7 +9,9 @@ import torch
 
 from shared.protocol import ChatCompletionRequest
 from shared.settings import Settings
+from worker import sampler
 from worker.engine import Engine, Finish, Sequence
+from worker.grammar import GrammarCompiler, GrammarState
 from worker.model import load_model
 from worker.render import Renderer
 from worker.sampler import SamplingParams
@@ -156,14 +158,92 @@ def test_cancel_takes_effect_at_the_next_step(model, prompts):
     assert engine.blocks.available() == engine.blocks.num_blocks
 
 
-def test_a_sequence_whose_sampling_fails_ends_alone(model, prompts, reference):
+def test_a_sequence_whose_sampling_fails_ends_alone(model, prompts, reference, monkeypatch):
+    real = sampler._shape
+
+    def shape(logits, rows):  # a fault in one row's shaping, whatever would cause it
+        if any(r.params.logit_bias == {7: 1.0} for r in rows):
+            raise IndexError("a bad row")
+        real(logits, rows)
+
+    monkeypatch.setattr(sampler, "_shape", shape)
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
-    bad = Sequence("bad", prompts[1], SamplingParams(max_tokens=NEW, temperature=0, logit_bias={10**6: 1.0}))
+    bad = Sequence("bad", prompts[1], SamplingParams(max_tokens=NEW, temperature=0, logit_bias={7: 1.0}))
     done = run(engine, [greedy(0, prompts[0]), bad, greedy(2, prompts[2])])
     assert done["bad"].finish is Finish.error and done["bad"].error.startswith("sampling failed")
     assert done["bad"].output_ids == []
     assert done["0"].output_ids == reference[0] and done["2"].output_ids == reference[2]
     assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_a_sequence_whose_grammar_fails_ends_alone(model, prompts, reference):
+    compiler = GrammarCompiler(Settings().model_dir, model.config.vocab_size, eos_token_ids=[2])
+    state = GrammarState(compiler.json_object())
+    calls = 0
+
+    def accept(token: int) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("a grammar engine fault")
+        return True
+
+    state.accept = accept  # type: ignore[method-assign]
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    bad = Sequence("bad", prompts[1], SamplingParams(max_tokens=NEW, temperature=0), grammar=state)
+    done = run(engine, [greedy(0, prompts[0]), bad, greedy(2, prompts[2])])
+    assert done["bad"].finish is Finish.error and done["bad"].error == "generation failed (RuntimeError)"
+    assert len(done["bad"].output_ids) == 2
+    assert done["0"].output_ids == reference[0] and done["2"].output_ids == reference[2]
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_a_forward_pass_failing_with_prompt_chunks_fails_only_those(model, prompts, reference, monkeypatch):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    forward = engine.forward
+    failures = 0
+
+    def flaky(batch, out=None):  # out of memory, say, on the newcomer's prompt chunk
+        nonlocal failures
+        if batch.prefills and batch.num_decode:
+            failures += 1
+            raise torch.OutOfMemoryError("no room for the chunk")
+        return forward(batch, out)
+
+    monkeypatch.setattr(engine, "forward", flaky)
+    engine.add(greedy(0, prompts[0]))
+    engine.step()  # its prefill, alone
+    engine.add(Sequence("late", prompts[1], SamplingParams(max_tokens=NEW, temperature=0)))
+    done = run(engine, [greedy(2, prompts[2])])
+    assert failures == 1
+    assert done["late"].finish is Finish.error and done["late"].error == "generation failed (OutOfMemoryError)"
+    assert done["2"].finish is Finish.error  # it joined in the same step
+    assert done["0"].output_ids == reference[0]
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_a_fault_outside_any_sequence_fails_them_all_and_the_engine_goes_on(model, prompts, reference, monkeypatch):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    engine.add(greedy(0, prompts[0]))
+    engine.step()
+    schedule = engine._schedule
+    monkeypatch.setattr(engine, "_schedule", lambda: 1 / 0)
+    engine.add(greedy(1, prompts[1]))
+    outputs = engine.step()
+    assert sorted((o.seq.id, o.finish) for o in outputs) == [("0", Finish.error), ("1", Finish.error)]
+    assert not engine.has_work()
+    monkeypatch.setattr(engine, "_schedule", schedule)
+    done = run(engine, [greedy(2, prompts[2])])
+    assert done["2"].output_ids == reference[2]
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_a_prompt_larger_than_the_cache_fails_instead_of_blocking_the_queue(model, prompts, reference):
+    engine = Engine(model, kv_tokens=64, block_size=16, prefill_chunk=512, max_model_len=64)
+    huge = Sequence("huge", list(prompts[0]) * 3, SamplingParams(max_tokens=4, temperature=0))
+    done = run(engine, [huge, Sequence("0", prompts[0], SamplingParams(max_tokens=4, temperature=0))])
+    assert done["huge"].finish is Finish.error and "KV cache" in done["huge"].error
+    assert done["0"].output_ids == reference[0][:4]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):

@@ -84,3 +84,23 @@ def test_template_errors_are_request_errors(renderer):
     with pytest.raises(TemplateError) as e:
         renderer.render(req(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]))
     assert "no tool turns" in e.value.message and e.value.param == "messages"
+
+
+def test_add_special_tokens_adds_the_tokenizers_own(tmp_path):
+    # SmolLM2's tokenizer adds nothing; give it a BOS, as Llama's and Mistral's have, to see the switch work.
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_file(str(Settings().model_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    r = Renderer(tmp_path)
+    # Chat: off by default, as in vLLM, since templates write their own BOS.
+    assert r.render(req()).ids[0] != bos
+    assert r.render(req(add_special_tokens=True)).ids == [bos, *r.render(req()).ids]
+    # Legacy text prompts: on by default.
+    assert r.encode("Hello")[0] == bos
+    assert r.encode("Hello", add_special_tokens=False) == r.encode("Hello")[1:]
+    assert r.encode([5, 6], add_special_tokens=True) == [5, 6]

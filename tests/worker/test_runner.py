@@ -286,12 +286,15 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
-    names = ("good", "bad", "broken", "unfinished", "cancelled")
-    good, bad, broken, unfinished, cancelled = (f"chatcmpl-runner-{name}" for name in names)
+    names = ("good", "bad", "broken", "unfinished", "cancelled", "stopped")
+    good, bad, broken, unfinished, cancelled, stopped = (f"chatcmpl-runner-{name}" for name in names)
     handle, make_plan, finish = JobRun.on_output, runner_module.plan, JobRun._end
 
-    def on_output(self: JobRun, choice, out):  # a parser bug, hit by one job's third token
-        if self.job.id == bad and len(choice.seq.output_ids) == 3:
+    def on_output(self: JobRun, choice, out):
+        # A parser bug, hit by one job's third token and by another's first, whose stop string it had just found.
+        # Both fail after events were numbered.
+        if (self.job.id, len(choice.seq.output_ids)) in ((bad, 3), (stopped, 1)):
+            handle(self, choice, out)
             raise ValueError("parser bug")
         return handle(self, choice, out)
 
@@ -311,7 +314,10 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     jobs = [
         job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id})
         for job_id in (good, bad, broken, unfinished)
-    ] + [job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled})]
+    ] + [
+        job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled}),
+        job(stream=True, max_tokens=10**6, stop=["hello"]).model_copy(update={"id": stopped}),
+    ]
     for j in jobs:  # as the API's submit and a worker's claim leave them
         r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
     runner.start()
@@ -333,7 +339,12 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert [e["event"] for e in bad_events[-2:]] == ["error", "done"]
     assert bad_events[-2]["data"]["error"]["message"] == "output processing failed (ValueError)"
     assert r.hget(keys.job(bad), "status") == "failed"
+    assert [e["seq"] for e in bad_events] == list(range(1, len(bad_events) + 1))
     assert runs[1].choices[0].seq.finish is Finish.cancelled  # its sequence stopped generating
+    stopped_events = events(stopped)
+    assert [e["event"] for e in stopped_events[-2:]] == ["error", "done"]
+    assert [e["seq"] for e in stopped_events] == list(range(1, len(stopped_events) + 1))
+    assert runs[5].choices[0].seq.finish is Finish.cancelled
     broken_events = events(broken)
     assert [e["event"] for e in broken_events] == ["error", "done"]
     assert broken_events[0]["data"]["error"]["message"] == "preparing the job failed (KeyError)"
@@ -351,6 +362,7 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         JobStatus.failed,
         JobStatus.failed,
         JobStatus.cancelled,
+        JobStatus.failed,
     ]
 
 

@@ -28,6 +28,12 @@ def test_logit_bias_can_forbid_and_force():
     assert pick(BASE, logit_bias={6: 100.0}) == 6
 
 
+def test_logit_bias_beyond_the_vocabulary_is_left_out():
+    # On CUDA such an id would be a device assert that ends the worker, not an error of this row.
+    assert pick(BASE, logit_bias={10**6: 100.0, -1: 100.0, 6: 100.0}) == 6
+    assert pick(BASE, logit_bias={10**6: 100.0}) == 1
+
+
 def test_min_tokens_blocks_stop_tokens_until_reached():
     assert pick(BASE, stop_token_ids=frozenset({1}), min_tokens=2, output_ids=[3]) == 2
     assert pick(BASE, stop_token_ids=frozenset({1}), min_tokens=1, output_ids=[3]) == 1
@@ -77,7 +83,8 @@ def test_a_row_that_fails_leaves_every_row_as_it_came():
     logits = torch.tensor([BASE, BASE])
     rows = [
         Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={1: -0.06}), None, [], []),
-        Row(SamplingParams(max_tokens=10, temperature=0.0, logit_bias={10**6: 1.0}), None, [], []),  # no such token
+        # A prompt token the vocabulary does not have: nothing the API lets through, a fault to recover from.
+        Row(SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.2), None, [10**6], []),
     ]
     with pytest.raises(IndexError):
         sample(logits, rows)
