@@ -8,7 +8,7 @@ import gc
 import importlib.metadata
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from functools import cached_property
 from typing import Any, Literal
@@ -17,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api import errors
@@ -52,6 +53,27 @@ class EventStream(EventSourceResponse):
             await send(message)
         else:
             await super()._send_with_timeout(send, message)
+
+
+class JSONRequest(Request):
+    """A request whose JSON body orjson reads: strict RFC 8259, so NaN, Infinity, numbers beyond a double and
+    unpaired surrogates are a 400 (Python's json takes them, and they would reach the job record and the tokenizer
+    as values nothing downstream can store or encode), and about five times faster than Python's json."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(JSONRequest(request.scope, request.receive))
+
+        return route
 
 
 class KeepAlive(ServerSentEvent):
@@ -111,6 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
         gc.unfreeze()
 
     app = FastAPI(title="chatq", lifespan=lifespan)
+    app.router.route_class = JSONRoute
     errors.install(app)
 
     def resolve_model(name: str | None) -> str:

@@ -99,7 +99,8 @@ def install(app: FastAPI) -> None:
         # OpenAI answers a bad body with 400, not FastAPI's 422; the first problem names the param.
         first = _first_error(list(e.errors()))
         if first.get("type") == "json_invalid":
-            return _response(400, "BadRequestError", "The request body is not valid JSON.", None)
+            why = (first.get("ctx") or {}).get("error")
+            return _response(400, "BadRequestError", f"The request body is not valid JSON: {why}.", None)
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "Invalid request")
         if first.get("type") == "missing":
@@ -108,7 +109,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:
-        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "APIError")
+        type_ = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
+            e.status_code, "APIError"
+        )
         return _response(e.status_code, type_, str(e.detail), None)
 
     @app.exception_handler(Exception)

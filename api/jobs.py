@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from celery import Celery
+from pydantic_core import PydanticSerializationError
 
 from api.errors import BadRequest, Conflict, JobNotFound
 from shared import keys
@@ -49,7 +50,11 @@ class JobStore:
         lane = celery_priority(request.priority)
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
         score = lane * 1e11 + time.time()
-        record = [x for pair in job.to_redis().items() for x in pair]
+        try:
+            fields = job.to_redis()
+        except PydanticSerializationError as e:  # nesting beyond what the serializer follows
+            raise BadRequest(f"The request cannot be stored: {e}", None) from e
+        record = [x for pair in fields.items() for x in pair]
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
         rank = await self._submit(
             keys=[keys.job(job.id), keys.waiting(model), queue], args=[job.id, score, message, *record]

@@ -16,7 +16,8 @@ from shared import regex_dialect
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    """A JSON schema must itself be valid JSON Schema, so a bad one is a 400 here and never a failed job."""
+    """A JSON schema must be valid JSON Schema that the worker's grammar engine can compile, so a bad one is a 400
+    here and never a failed job."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
@@ -24,8 +25,66 @@ def _check_schema(schema: Any, param: str) -> None:
         raise RequestError("A JSON schema must be an object.", param)
     try:
         Draft202012Validator.check_schema(schema)
+        found = _schema_problem(schema, schema)
     except SchemaError as e:
         raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
+    except RecursionError as e:
+        raise RequestError("The JSON schema is nested too deeply.", param) from e
+    if found is not None:
+        raise RequestError(f"Invalid JSON schema: {found}", param)
+
+
+_BOUNDS = (
+    ("minimum", "maximum"),
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+)
+
+
+def _schema_problem(node: Any, root: dict[str, Any]) -> str | None:
+    """What in a schema valid as JSON Schema the grammar engine still cannot compile: a regex outside its dialect,
+    a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies. jsonschema checks none of these."""
+    if isinstance(node, list):
+        return next((p for p in (_schema_problem(x, root) for x in node) if p), None)
+    if not isinstance(node, dict):
+        return None
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += list(node["patternProperties"])
+    for pattern in patterns:
+        try:
+            found = regex_dialect.problem(pattern)
+        except (re.error, OverflowError) as e:
+            return f"the pattern {pattern!r} is not a valid regex ({e})"
+        if found is not None:
+            return f"the pattern {pattern!r} uses {found}, which the grammar engine does not support"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and _resolve(ref, root) is None:
+        return f"$ref {ref!r} points to nothing in the schema (only local references, #/..., are followed)"
+    if node.get("enum") == []:
+        return "an empty enum allows no value"
+    for low, high in _BOUNDS:
+        a, b = node.get(low), node.get(high)
+        if isinstance(a, int | float) and isinstance(b, int | float) and a > b:
+            return f"{low} ({a}) is greater than {high} ({b})"
+    return next((p for p in (_schema_problem(v, root) for v in node.values()) if p), None)
+
+
+def _resolve(ref: str, root: dict[str, Any]) -> Any:
+    """The part of the schema a local `$ref` (a JSON pointer after '#') names; None if there is none."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for step in filter(None, ref[1:].split("/")):
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
 
 
 def _check_regex(pattern: str) -> None:
@@ -83,15 +142,20 @@ class Message(BaseModel):
             return self.content
         texts = []
         for part in self.content:
-            if part.get("type") != "text":
-                raise RequestError(f"Content part type {part.get('type')!r} is not supported", "messages")
-            texts.append(str(part.get("text", "")))
+            kind = part.get("type")
+            # A refusal part is an earlier assistant turn's text, as vLLM reads it.
+            key = {"text": "text", "refusal": "refusal"}.get(kind)  # type: ignore[arg-type]
+            if key is None:
+                raise RequestError(f"Content part type {kind!r} is not supported", "messages")
+            if not isinstance(part.get(key), str):
+                raise RequestError(f"A {kind} content part needs its `{key}` as a string.", "messages")
+            texts.append(part[key])
         return "".join(texts)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False  # null: left out, as vLLM reads it
+    continuous_usage_stats: bool | None = False
 
 
 # Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (null and
@@ -137,6 +201,8 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "return_prompt_text": None,
 }
 MAX_TOP_LOGPROBS = 20
+# OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
+MAX_N = 128
 
 
 class GenerationRequest(BaseModel):
@@ -226,7 +292,7 @@ class GenerationRequest(BaseModel):
         need(self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
         need(self.top_k is None or self.top_k >= -1, "top_k must be -1 (disable), 0 (disable) or at least 1", "top_k")
         need(self.min_p is None or 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
-        need(self.n >= 1, "n must be at least 1", "n")
+        need(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", "n")
         need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             need(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2]", name)
@@ -246,7 +312,8 @@ class GenerationRequest(BaseModel):
             "min_tokens",
         )
         need(
-            self.stream_options is None or self.stream,
+            # An empty object asks for nothing, and vLLM lets it pass.
+            self.stream_options is None or not self.stream_options.model_fields_set or self.stream,
             "Stream options can only be defined when `stream=True`.",
             "stream_options",
         )
@@ -306,7 +373,7 @@ class NamedToolChoice(BaseModel):
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
-    name: str = "response"
+    name: str  # required, as OpenAI and vLLM have it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None

@@ -18,9 +18,10 @@ from celery import signals
 
 from shared import collector, keys
 from shared.jobs import CLAIM
-from shared.protocol import Job
+from shared.protocol import Event, EventKind, Job, JobStatus, error_body
 from shared.queue import GENERATE_TASK, make_celery
 from shared.settings import Settings
+from worker.publish import JobEnd, Publisher, StepWrites
 
 if TYPE_CHECKING:
     from worker.runner import Runner
@@ -98,7 +99,21 @@ def generate(job_id: str) -> str:
     record = r.eval(CLAIM, len(claim_keys), *claim_keys, _state.name, time.time(), job_id)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
-    job = Job.from_redis(dict(zip(record[::2], record[1::2], strict=True)))
+    try:
+        job = Job.from_redis(dict(zip(record[::2], record[1::2], strict=True)))
+    except (ValueError, KeyError) as e:  # written by another version of chatq, say: the job ends, not hangs
+        log.exception("job %s has a record this worker cannot read", job_id)
+        _fail_unreadable(_state, job_id, f"This worker cannot read the job's record ({type(e).__name__}).")
+        return JobStatus.failed.value
     run = _state.runner.submit(job)
     run.done.wait()
     return run.status.value if run.status else "unknown"
+
+
+def _fail_unreadable(state: WorkerState, job_id: str, message: str) -> None:
+    error = error_body(message, "InternalServerError", 500)
+    events = [Event(seq=1, event=EventKind.error, data=error), Event(seq=2, event=EventKind.done)]
+    writes = StepWrites(
+        events=[(job_id, e) for e in events], ended=[JobEnd(job_id, JobStatus.failed, 0, error=error["error"])]
+    )
+    Publisher(state.redis, settings, state.name).flush(writes)

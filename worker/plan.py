@@ -59,17 +59,20 @@ def sampling_params(
 
 def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
     tools = [t.model_dump() for t in req.tools or []]
+    param = "tools"  # what a grammar that cannot be compiled is reported against
     try:
         if req.forced_tool:
             return compiler.function(tools, req.forced_tool)
         if req.tool_choice == "required":
             return compiler.tool_calls(tools, parallel=req.parallel_tool_calls)
+        param = "response_format"
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
             return compiler.json_object()
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
             return compiler.json_schema(fmt.json_schema.schema_ or {}, strict=bool(fmt.json_schema.strict))
         so = req.structured_outputs
+        param = "structured_outputs"
         if so is None:
             return None
         if so.json_ is not None:
@@ -82,7 +85,7 @@ def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Gramma
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
     except (GrammarError, json.JSONDecodeError) as e:
-        raise RequestError(str(e), "structured_outputs" if req.structured_outputs else "response_format") from e
+        raise RequestError(str(e), param) from e
     return None
 
 

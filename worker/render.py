@@ -91,22 +91,25 @@ class Renderer:
                     _call_for_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
                 ]
             messages.append(d)
-        kwargs = dict(request.chat_template_kwargs or {})
-        if request.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-            kwargs.setdefault("enable_thinking", request.thinking)
         # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        context: dict[str, Any] = {
+            **self.special,
+            "tools": tools,
+            "add_generation_prompt": request.add_generation_prompt and not request.continue_final_message,
+        }
+        if request.reasoning_effort is not None:
+            context["reasoning_effort"] = request.reasoning_effort
+            context["enable_thinking"] = request.thinking
         if request.documents is not None:
-            kwargs.setdefault("documents", request.documents)
+            context["documents"] = request.documents
+        kwargs = request.chat_template_kwargs or {}
+        if "messages" in kwargs:
+            raise TemplateError("chat_template_kwargs cannot replace the messages.", "chat_template_kwargs")
+        # What the request gives the template wins over what chatq would, as in vLLM.
+        context.update(kwargs)
         try:
-            text = self.template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-                **self.special,
-                **kwargs,
-            )
+            text = self.template.render(messages=messages, **context)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
         if request.continue_final_message:

@@ -89,6 +89,30 @@ INVALID = [
     ),
     ({"messages": M, "request_id": "abc:events"}, 400, BAD, "request_id"),
     ({"messages": M, "request_id": "x" * 129}, 400, BAD, "request_id"),
+    ({"messages": M, "n": 129, "temperature": 1}, 400, BAD, "n"),
+    # A text part's text must be text: null would reach the template as the word "None".
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400, BAD, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, BAD, "messages"),
+    ({"messages": M, "chat_template_kwargs": {"messages": []}}, 400, BAD, "chat_template_kwargs"),
+    (
+        {"messages": M, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+        400,
+        BAD,
+        "response_format.json_schema.name",
+    ),
+]
+
+# Schemas valid as JSON Schema that the grammar engine cannot compile: each a 400 up front, never a failed job.
+UNCOMPILABLE_SCHEMAS = [
+    {"type": "string", "pattern": "(?<=a)b"},
+    {"type": "string", "pattern": "(a)\\1"},
+    {"type": "object", "patternProperties": {"(?=x)": {"type": "string"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+    {"type": "object", "properties": {"a": {"$ref": "https://example.com/schema"}}},
+    {"enum": []},
+    {"type": "integer", "minimum": 5, "maximum": 1},
+    {"type": "array", "minItems": 3, "maxItems": 2},
+    {"type": "string", "minLength": 3, "maxLength": 2},
 ]
 
 
@@ -112,6 +136,66 @@ def test_invalid_request_is_refused_and_enqueues_nothing(http, r, model_name, bo
 def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
     before = snapshot(r, model_name)
     assert_error(http.post("/v1/completions", json=body), 400, BAD, param)
+    assert snapshot(r, model_name) == before
+
+
+@pytest.mark.parametrize("schema", UNCOMPILABLE_SCHEMAS)
+@pytest.mark.parametrize("where", ["response_format", "structured_outputs", "tools"])
+def test_a_schema_the_grammar_engine_cannot_compile_is_a_400(http, r, model_name, schema, where):
+    body: dict = {"messages": M, "background": True}
+    if where == "response_format":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        param = "response_format"
+    elif where == "structured_outputs":
+        body["structured_outputs"] = {"json": schema}
+        param = "structured_outputs"
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        body["tool_choice"] = "required"
+        param = "tools.0.function.parameters"
+    before = snapshot(r, model_name)
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, BAD, param)
+    assert error["message"].startswith("Invalid JSON schema")
+    assert snapshot(r, model_name) == before
+
+
+def test_a_schema_nested_beyond_reason_is_a_400(http, r, model_name):
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "array", "items": schema}
+    body = {"messages": M, "structured_outputs": {"json": schema}}
+    before = snapshot(r, model_name)
+    assert_error(http.post("/v1/chat/completions", json=body), 400, BAD, "structured_outputs")
+    assert snapshot(r, model_name) == before
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"12": Infinity}}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": NaN}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 1100 + b"]" * 1100 + b"}",
+    ],
+)
+def test_what_is_not_strict_json_is_a_400(http, r, model_name, raw):
+    # Python's json takes NaN, Infinity, overflowing numbers and unpaired surrogates; nothing after it could store
+    # or encode them (a job stored with null in their place, a tokenizer error).
+    before = snapshot(r, model_name)
+    resp = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    error = assert_error(resp, 400, BAD, None)
+    assert error["message"].startswith("The request body is not valid JSON: ")
+    assert snapshot(r, model_name) == before
+
+
+def test_a_body_nested_deeper_than_a_job_can_store_is_a_400(http, r, model_name):
+    before = snapshot(r, model_name)
+    nested: list = []
+    for _ in range(900):
+        nested = [nested]
+    resp = http.post("/v1/chat/completions", json={"messages": M, "vendor_field": nested})
+    assert_error(resp, 400, BAD, None)
     assert snapshot(r, model_name) == before
 
 

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 
 from api.jobs import JobStore
 from shared import keys
-from shared.protocol import ChatCompletionRequest
-from shared.queue import make_celery
+from shared.protocol import ChatCompletionRequest, Job
+from shared.queue import celery_priority, make_celery, task_message
 from shared.settings import Settings
 from tests.helpers import cancel_job, content_of, frames, stream, wait_for
 
@@ -249,3 +249,22 @@ def test_a_queued_job_of_another_model_leaves_its_own_queue_when_cancelled(setti
     cancel_job(settings, job_id)
     assert r.zscore(keys.waiting("another-model"), job_id) is None
     assert r.hget(keys.job(job_id), "status") == "cancelled" and r.ttl(keys.job(job_id)) > 0
+
+
+def test_a_job_whose_record_the_worker_cannot_read_fails_instead_of_hanging(stack, settings, r, model_name):
+    # A record written by another version of chatq, say: the job ends failed, with its error in the stream.
+    job = Job(
+        id=f"chatcmpl-unreadable-{uuid.uuid4().hex}", model=model_name, request=ChatCompletionRequest(messages=LONG)
+    )
+    r.hset(keys.job(job.id), mapping=job.to_redis() | {"request": '{"written_by": "another version"}'})
+    r.zadd(keys.waiting(model_name), {job.id: time.time()})
+    queue, message = task_message(make_celery(settings), job.id, keys.celery_queue(model_name), celery_priority(0))
+    r.lpush(queue, message)
+    deadline = time.time() + 30
+    while r.hget(keys.job(job.id), "status") != "failed":
+        assert time.time() < deadline, (r.hget(keys.job(job.id), "status"), r.hget(keys.job(job.id), "attempts"))
+        time.sleep(0.05)
+    events = [json.loads(f["msg"]) for _, f in r.xrange(keys.events(job.id))]
+    assert [e["event"] for e in events] == ["error", "done"]
+    assert "cannot read the job's record" in events[0]["data"]["error"]["message"]
+    assert r.ttl(keys.job(job.id)) > 0 and r.zscore(keys.waiting(model_name), job.id) is None

@@ -88,3 +88,28 @@ def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
         with pytest.raises(RequestError) as e:
             ChatCompletionRequest.model_validate({"messages": MESSAGES, **extra}).check()
         assert e.value.param == param
+
+
+def test_stream_options_that_ask_for_nothing_pass_without_stream():
+    # vLLM refuses stream options without stream only when they ask for something.
+    ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream_options={}).check()
+    ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": None}
+    ).check()
+    with pytest.raises(RequestError):
+        ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], stream_options={"include_usage": False}
+        ).check()
+
+
+def test_text_and_refusal_parts_join_into_the_message_text():
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        ]
+    )
+    assert [m.text() for m in req.messages] == ["ab", "no"]
+    for part in ({"type": "text", "text": 5}, {"type": "refusal"}, {"type": "input_audio", "input_audio": {}}):
+        with pytest.raises(RequestError):
+            ChatCompletionRequest(messages=[{"role": "user", "content": [part]}]).messages[0].text()

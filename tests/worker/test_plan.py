@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
-from shared.protocol import ChatCompletionRequest
+import pytest
+
+from shared.protocol import ChatCompletionRequest, RequestError
 from worker.build import generation_defaults
-from worker.plan import sampling_params
+from worker.grammar import GrammarError
+from worker.plan import grammar_for, sampling_params
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -34,3 +37,25 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path):
         ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), generation_defaults(tmp_path / "none")
     )
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+
+
+def test_a_grammar_that_cannot_compile_is_reported_against_the_field_that_asked_for_it():
+    class Refusing:  # a grammar engine that compiles nothing
+        def __getattr__(self, name):
+            def refuse(*args, **kwargs):
+                raise GrammarError("cannot compile")
+
+            return refuse
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    asks = [
+        ({"tools": tools, "tool_choice": "required"}, "tools"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ]
+    for fields, param in asks:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+        with pytest.raises(RequestError) as e:
+            grammar_for(req, Refusing())  # type: ignore[arg-type]
+        assert e.value.param == param, fields

@@ -104,3 +104,10 @@ def test_add_special_tokens_adds_the_tokenizers_own(tmp_path):
     assert r.encode("Hello")[0] == bos
     assert r.encode("Hello", add_special_tokens=False) == r.encode("Hello")[1:]
     assert r.encode([5, 6], add_special_tokens=True) == [5, 6]
+
+
+def test_chat_template_kwargs_win_over_what_chatq_passes(renderer):
+    # As in vLLM, the request's kwargs are applied last: here the generation prompt is switched off by them.
+    assert renderer.render(req(chat_template_kwargs={"add_generation_prompt": False})).text == "<user>Hi</user>\n"
+    with pytest.raises(TemplateError):
+        renderer.render(req(chat_template_kwargs={"messages": []}))
