@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import uuid
@@ -73,10 +74,24 @@ class JobStore:
     async def cancel(self, job_id: str, delete: bool = False) -> None:
         """Cancels the job if it has not ended; `delete` also removes it (see shared.jobs.CANCEL)."""
         self._check(job_id)
-        done = Event(seq=1, event=EventKind.done).to_json()
+        h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
+        # What a queued job's stream closes with, should the job still be queued when the script runs.
+        chunks = []
+        if h.get("status") == JobStatus.queued:
+            with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
+                chunks = never_ran(Job.from_redis(h))[0]
+        events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, 1)]
+        events.append(Event(seq=len(events) + 1, event=EventKind.done))
         status = await self._cancel(
             keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)],
-            args=[self.settings.result_ttl, done, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting("")],
+            args=[
+                self.settings.result_ttl,
+                job_id,
+                keys.cancels(""),
+                "1" if delete else "0",
+                keys.waiting(""),
+                *(e.to_json() for e in events),
+            ],
         )
         if status is None:
             raise JobNotFound(job_id)
@@ -100,7 +115,7 @@ class JobStore:
         if job.result:
             obj = dict(job.result)
         elif job.status is JobStatus.cancelled:
-            obj = never_ran(job)
+            obj = never_ran(job)[1]
         else:
             obj = {
                 "id": job.id,

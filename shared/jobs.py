@@ -32,8 +32,8 @@ redis.call('SREM', KEYS[3], ARGV[3])
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: job, events, live. ARGV: ttl, done message, job id, keys.cancels(""), "1" to delete the job,
-# keys.waiting("").
+# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete the job, keys.waiting(""), then the
+# events that close a queued job's log, numbered from 1, `done` last.
 # A queued job is cancelled here and its log closed. A running one is named in its worker's cancel set, which that
 # worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
 # The names of the waiting set and the cancel set are completed here from the record (its model, its holding
@@ -49,17 +49,19 @@ if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil 
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
   local model = redis.call('HGET', KEYS[1], 'model')
-  if model then redis.call('ZREM', ARGV[6] .. model, ARGV[3]) end
-  redis.pcall('XADD', KEYS[2], '0-1', 'msg', ARGV[2])
-  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  if model then redis.call('ZREM', ARGV[5] .. model, ARGV[2]) end
+  for i = 6, #ARGV do
+    redis.pcall('XADD', KEYS[2], '0-' .. (i - 5), 'msg', ARGV[i])
+    redis.call('PUBLISH', KEYS[3], ARGV[i])
+  end
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
-  if not worker then return redis.error_reply('ERR running job ' .. ARGV[3] .. ' names no worker') end
-  redis.call('SADD', ARGV[4] .. worker, ARGV[3])
-  redis.call('EXPIRE', ARGV[4] .. worker, ARGV[1])
+  if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
+  redis.call('SADD', ARGV[3] .. worker, ARGV[2])
+  redis.call('EXPIRE', ARGV[3] .. worker, ARGV[1])
 end
-if ARGV[5] == '1' then
+if ARGV[4] == '1' then
   if status == 'in_progress' then
     redis.call('HSET', KEYS[1], 'deleted', '1')
     for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end

@@ -142,17 +142,23 @@ class ChatChunks:
         return {**self.final_base, "choices": choices, "usage": usage}
 
 
-def never_ran(job: Job) -> dict[str, Any]:
-    """The answer of a job cancelled before any worker ran it: each choice empty and ended with `abort`, as vLLM
-    answers a request aborted while waiting, so a client reading `choices[0]` learns why there is no text."""
+def never_ran(job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The stream chunks and the final object of a job cancelled before any worker ran it: each choice opens and
+    ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
+    no answer (a non-streamed one reading `choices[0]` finds it)."""
     req = job.request
     shapes: ChatChunks
     if isinstance(req, ChatCompletionRequest):
         shapes = ChatChunks(job.id, job.created, job.model, req.response_role)
     else:
         shapes = TextChunks(job.id, job.created, job.model)
+    stream = []
+    for i in range(req.n):
+        first = shapes.start(i)
+        stream += [first] if first is not None else []
+        stream.append(shapes.chunk(i, {}, None, "abort", None))
     choices = [shapes.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
-    return shapes.final(choices, usage(len(job.prompt_ids), 0))
+    return stream, shapes.final(choices, usage(len(job.prompt_ids), 0))
 
 
 class TextChunks(ChatChunks):

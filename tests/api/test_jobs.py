@@ -196,18 +196,32 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
         view = http.post(f"/v1/chat/completions/{last}/cancel").json()
         assert view["status"] == "cancelled"
         assert r.zrank(keys.waiting(model_name), last) is None
-        # A client waiting for a queued job's answer learns it was cancelled: each choice ended with `abort`.
-        waiter_id = f"waiter-{uuid.uuid4().hex}"
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(
-                http.post,
+        # Clients waiting for a queued job's answer learn it was cancelled: each choice ends with `abort`.
+        waiter_id, streamer_id = f"waiter-{uuid.uuid4().hex}", f"streamer-{uuid.uuid4().hex}"
+        body = {"messages": LONG, "max_tokens": 5, "n": 2, "temperature": 1}
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(http.post, "/v1/chat/completions", json=body, headers={"X-Request-Id": waiter_id})
+            streaming = pool.submit(
+                stream,
+                http,
+                "POST",
                 "/v1/chat/completions",
-                json={"messages": LONG, "max_tokens": 5, "n": 2, "temperature": 1},
-                headers={"X-Request-Id": waiter_id},
+                json={**body, "stream": True},
+                headers={"X-Request-Id": streamer_id},
             )
-            wait_for(http, f"chatcmpl-{waiter_id}", lambda j: j.get("status") == "queued")
-            http.post(f"/v1/chat/completions/chatcmpl-{waiter_id}/cancel")
+            for job_id in (waiter_id, streamer_id):
+                wait_for(http, f"chatcmpl-{job_id}", lambda j: j.get("status") == "queued")
+                http.post(f"/v1/chat/completions/chatcmpl-{job_id}/cancel")
             answer = waiting.result(timeout=30)
+            streamed = streaming.result(timeout=30)
+        assert [f.data for f in streamed][-1] == "[DONE]"
+        closing = [(c["index"], c["delta"], c["finish_reason"]) for f in streamed[:-1] for c in f.json["choices"]]
+        assert closing == [
+            (0, {"role": "assistant", "content": ""}, None),
+            (0, {}, "abort"),
+            (1, {"role": "assistant", "content": ""}, None),
+            (1, {}, "abort"),
+        ]
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert body["status"] == "cancelled" and body["usage"]["completion_tokens"] == 0
