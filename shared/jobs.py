@@ -38,8 +38,8 @@ return redis.call('HGETALL', KEYS[1])
 # worker reads with every step's writes, so it stops at the step after; the worker takes it out when the job ends.
 # The names of the waiting set and the cancel set are completed here from the record (its model, its holding
 # worker), so the script names keys it was not given: fine on one Redis server, not on a Redis Cluster.
-# A log that cannot take the `done` entry (its key holds another type) does not stop the cancel: the event is still
-# published, as PUBLISH_EVENTS does, and readers of the log learn it is lost.
+# A log that cannot take these entries (its key holds another type) does not stop the cancel: the events are still
+# published, as PUBLISH_EVENTS does, and readers of the log learn they are lost.
 # Deleted, a job is gone for readers at once. A running one's record and log stay, hidden, until its worker's last
 # write removes them (or they expire, should that write never come): until then its id is taken, so a job submitted
 # again under it cannot meet the old run's writes in its own log. Returns the status, nil for no such job.

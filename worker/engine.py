@@ -193,12 +193,9 @@ class Engine:
         self.running, self.waiting = [], []
         # Blocks are not handed back one by one: the bookkeeping that failed may be what is wrong.
         self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
-        outputs = []
         for seq in seqs:
-            seq.blocks, seq.block_hashes, seq.num_cached = [], [], 0
-            seq.finish, seq.error = Finish.error, error
-            outputs.append(Output(seq, None, Finish.error))
-        return outputs
+            seq.blocks = []  # they belonged to the pool just dropped
+        return [self._finish(seq, Finish.error, error) for seq in seqs]
 
     # --- scheduling ------------------------------------------------------------------------------------
 
@@ -210,8 +207,7 @@ class Engine:
         for seq in inbox:
             if self.blocks.blocks_for(len(seq) + 1) > self.blocks.num_blocks:
                 # It would wait at the head of the queue for ever, and everything behind it with it.
-                seq.finish, seq.error = Finish.error, "the prompt does not fit in this worker's KV cache"
-                outputs.append(Output(seq, None, Finish.error))
+                outputs.append(self._finish(seq, Finish.error, "the prompt does not fit in this worker's KV cache"))
                 continue
             seq.arrival = next(self._order)
             heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
