@@ -26,7 +26,7 @@ import torch
 from worker.blocks import BlockManager
 from worker.forward import Batch, KVCache, PagedForward
 from worker.graphs import DecodeGraphs
-from worker.sampler import Row, SamplingParams, TokenLogprob, sample, to_device
+from worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, to_device
 
 if TYPE_CHECKING:
     from worker.grammar import GrammarState
@@ -56,6 +56,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: what the output may be
+    history: History = field(default_factory=History)  # the sampler's record of it, for penalties
     finish: Finish | None = None
     error: str | None = None
 
@@ -335,7 +336,7 @@ class Engine:
     # --- sampling and finishing ------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
-        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.grammar) for s in seqs]
+        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.grammar, s.history) for s in seqs]
         try:
             with torch.inference_mode():  # the logits are inference tensors; shaping them in place needs this
                 tokens, logprobs = sample(logits, rows)

@@ -51,6 +51,21 @@ class SamplingParams:
 
 
 @dataclass
+class History:
+    """What a penalized sequence has said, brought up to date with each new token.
+
+    Rebuilt from the whole context every step, as transformers' logits processors do, it cost host time that grew
+    with the context: a set of every prompt and output id, and a copy of them to the device, per row per step."""
+
+    counted: int = -1  # output ids taken in so far; -1: not built yet
+    seen: set[int] = field(default_factory=set)  # prompt and output ids: repetition_penalty
+    seen_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # the same, on the device
+    said: set[int] = field(default_factory=set)  # output ids: presence and frequency penalties
+    said_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    counts: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [V]: how often each id was output
+
+
+@dataclass
 class Row:
     """One sequence as the sampler sees it."""
 
@@ -59,6 +74,7 @@ class Row:
     prompt_ids: list[int]
     output_ids: list[int]
     grammar: GrammarState | None = None
+    history: History = field(default_factory=History)
 
 
 @dataclass
@@ -93,15 +109,38 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
             # assert, which ends the process rather than raising for this row.
             bias = {t: v for t, v in p.logit_bias.items() if 0 <= t < vocab}
             line.index_add_(0, to_device(dev, list(bias)), to_device(dev, list(bias.values()), line.dtype))
-        if p.repetition_penalty != 1.0:
-            seen = to_device(dev, sorted(set(row.prompt_ids) | set(row.output_ids)))
-            vals = line[seen]
-            line[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            # Not bincount: on CUDA it reads its input's largest id back to size its output, a host sync per row.
-            ids = to_device(dev, row.output_ids)
-            counts = torch.zeros_like(line).index_add_(0, ids, torch.ones_like(ids, dtype=line.dtype))
-            line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            h = _catch_up(row, line)
+            if p.repetition_penalty != 1.0:
+                rp, vals = p.repetition_penalty, line[h.seen_ids]
+                line[h.seen_ids] = torch.where(vals > 0, vals / rp, vals * rp)
+            if p.presence_penalty or p.frequency_penalty:
+                said = h.said_ids
+                line.index_add_(0, said, -(p.frequency_penalty * h.counts[said] + p.presence_penalty))
+
+
+def _catch_up(row: Row, line: torch.Tensor) -> History:
+    """The row's history with every output id taken in: built on first use (or again if the output was cut back),
+    after which only each step's new ids cost anything."""
+    h, out, dev = row.history, row.output_ids, line.device
+    if not 0 <= h.counted <= len(out):
+        h.counted, h.seen, h.said = 0, set(row.prompt_ids), set()
+        h.seen_ids, h.said_ids = to_device(dev, list(h.seen)), to_device(dev, [])
+        h.counts = torch.zeros_like(line)
+    new = out[h.counted :]
+    if not new:
+        return h
+    if unseen := set(new) - h.seen:
+        h.seen |= unseen
+        h.seen_ids = torch.cat([h.seen_ids, to_device(dev, list(unseen))])
+    if unsaid := set(new) - h.said:
+        h.said |= unsaid
+        h.said_ids = torch.cat([h.said_ids, to_device(dev, list(unsaid))])
+    # Not bincount: on CUDA it reads its input's largest id back to size its output, a host sync.
+    ids = to_device(dev, new)
+    h.counts.index_add_(0, ids, torch.ones_like(ids, dtype=h.counts.dtype))
+    h.counted = len(out)
+    return h
 
 
 def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:

@@ -110,3 +110,20 @@ def test_logprobs_come_from_the_raw_distribution():
     assert lps[0].logprob == pytest.approx(float(raw[6]))
     assert [t for t, _ in lps[0].top] == [1, 2]
     assert math.isclose(lps[0].top[0][1], float(raw[1]), rel_tol=1e-5)
+
+
+def test_penalties_follow_a_sequence_step_by_step():
+    # The engine keeps one Row history per sequence and appends to its output between steps: each new token must
+    # count from the next step on, as if the history were rebuilt from the whole context.
+    p = SamplingParams(max_tokens=10, temperature=0.0, frequency_penalty=0.06, repetition_penalty=1.02)
+    output: list[int] = []
+    row = Row(p, None, [7], output)
+    picks = []
+    for _ in range(4):
+        token = sample(torch.tensor([BASE]), [row])[0][0]
+        picks.append(token)
+        output.append(token)
+        fresh = sample(torch.tensor([BASE]), [Row(p, None, [7], list(output))])[0][0]
+        assert sample(torch.tensor([BASE]), [row])[0][0] == fresh
+    # 1 (5.0); then 2, as 5/1.02 - 0.06 < 4.9/1.02; then 1 twice, as 4.90 - 0.06 and then 4.90 - 0.12 beat 4.80 - 0.06.
+    assert picks == [1, 2, 1, 1]
