@@ -118,7 +118,8 @@ def plan(
     make_parser = inner
     if reasoning:
         # A grammar then shapes what follows the thought (the runner applies it once the thought ends), as in vLLM.
-        thinking = req.thinking
+        # DeepSeek-R1's templates take no `enable_thinking`: the model thinks anyway, and vLLM's parser reads it so.
+        thinking = req.thinking or settings.reasoning_parser == "deepseek_r1"
         make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
     named = req.forced_tool is not None
     return Plan(params, grammar, make_parser, reasoning, tools_parsed, named, named or req.tool_choice == "required")

@@ -148,4 +148,7 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             raise RequestError(f"Tool call arguments are not valid JSON: {e}", f"{param}.function.arguments") from e
+        except RecursionError as e:
+            message = "Tool call arguments are nested too deeply to read."
+            raise RequestError(message, f"{param}.function.arguments") from e
     return {**call, "function": {**function, "arguments": arguments}}

@@ -66,8 +66,9 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
     assert text == expected
 
 
-def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer):
-    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}
+@pytest.mark.parametrize("arguments", ["{city: Paris", "[" * 5000 + "]" * 5000])
+def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer, arguments):
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
     with pytest.raises(RequestError) as e:
         renderer.render(req(messages=messages))

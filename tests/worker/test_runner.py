@@ -206,6 +206,16 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
     assert closed["choices"][0]["message"]["content"] is None
 
 
+def test_deepseek_r1_thinks_whatever_the_request_asks(decoder):
+    # Its chat templates take no `enable_thinking`, so the thought comes anyway and is read as one, as vLLM does.
+    settings = Settings(reasoning_parser="deepseek_r1")
+    text = "The user wants X.</think>\n\nAnswer."
+    for fields in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        _, result = run_text(decoder, text, settings, **fields)
+        message = result["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("The user wants X.", "\n\nAnswer.")
+
+
 def test_streamed_usage_counts_reasoning_like_the_answer(decoder):
     settings = Settings(reasoning_parser="qwen3")
     text = "<think>The user greets me.</think>\n\nHello!"

@@ -27,9 +27,16 @@ def partial_tag_len(text: str, tag: str) -> int:
 def arguments_json(arguments: dict[str, Any]) -> str | None:
     """The canonical JSON of a call's arguments, or None when they have no JSON form (NaN, sets, bytes...)."""
     try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError):
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
         return None
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        # A lone surrogate the model wrote as an escape ("\ud83d") decodes to a string no UTF-8 encoder takes, and
+        # the step's Redis writes would fail on it; escaped, it is the same JSON value.
+        return json.dumps(arguments, allow_nan=False)
+    return text
 
 
 def call_from_json(obj: Any, index: int, tool_names: set[str] | None, *, args_required: bool) -> ToolCallDelta | None:
@@ -52,7 +59,7 @@ def call_from_json(obj: Any, index: int, tool_names: set[str] | None, *, args_re
     if isinstance(args, str):  # some models send the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None

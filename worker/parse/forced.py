@@ -44,7 +44,7 @@ class RequiredToolParser:
                 if not isinstance(item["name"], str) or args is None:
                     raise ValueError("not a call")
                 calls.append(ToolCallDelta(i, new_call_id(), item["name"], args))
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             # Only a generation cut short (max_tokens) leaves the array unfinished: keep the text, as content.
             return Delta(content=self.text)
         return Delta(tool_calls=calls)

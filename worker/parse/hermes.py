@@ -74,7 +74,7 @@ class HermesParser:
     def _parse(self, body: str) -> ToolCallDelta | None:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json's recursion limit
             return None
         return call_from_json(obj, self.index, self.tool_names, args_required=False)
 

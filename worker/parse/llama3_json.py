@@ -29,7 +29,7 @@ class Llama3JsonParser(WholeOutputCalls):
         while pos < len(text):
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than json's recursion limit
                 return None
             call = call_from_json(obj, len(calls), self.tool_names, args_required=True)
             if call is None:
