@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, get_args
 
@@ -663,10 +663,13 @@ class Event:
     seq: int
     event: EventKind
     data: dict[str, Any] | None = None
+    _json: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> bytes:
-        """The `msg` of the log entry and of the pub/sub message."""
-        return orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
+        """The `msg` of the log entry and of the pub/sub message, encoded once."""
+        if self._json is None:
+            self._json = orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
+        return self._json
 
     @classmethod
     def from_json(cls, msg: str | bytes) -> Event:

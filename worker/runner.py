@@ -162,7 +162,11 @@ class JobRun:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
             data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
-        return Event(seq=self.last_seq, event=kind, data=data)
+        event = Event(seq=self.last_seq, event=kind, data=data)
+        # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
+        # no UTF-8 encoder takes) would fail the writes of every job in the step.
+        event.to_json()
+        return event
 
     def start(self) -> list[Event]:
         events = []

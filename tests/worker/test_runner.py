@@ -24,6 +24,7 @@ from tests.helpers import cancel_job
 from worker import runner as runner_module
 from worker.engine import Finish, Output
 from worker.grammar import GrammarCompiler
+from worker.parse import Delta
 from worker.publish import Publisher
 from worker.runner import Decoder, JobRun, Runner
 from worker.sampler import TokenLogprob
@@ -296,8 +297,8 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
-    names = ("good", "bad", "broken", "unfinished", "cancelled", "stopped")
-    good, bad, broken, unfinished, cancelled, stopped = (f"chatcmpl-runner-{name}" for name in names)
+    names = ("good", "bad", "broken", "unfinished", "cancelled", "stopped", "unencodable")
+    good, bad, broken, unfinished, cancelled, stopped, unencodable = (f"chatcmpl-runner-{name}" for name in names)
     handle, make_plan, finish = JobRun.on_output, runner_module.plan, JobRun._end
 
     def on_output(self: JobRun, choice, out):
@@ -306,6 +307,8 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         if (self.job.id, len(choice.seq.output_ids)) in ((bad, 3), (stopped, 1)):
             handle(self, choice, out)
             raise ValueError("parser bug")
+        if (self.job.id, len(choice.seq.output_ids)) == (unencodable, 2):
+            choice.parser.feed = lambda text: Delta(content="\ud800")  # a string that no UTF-8 encoder takes
         return handle(self, choice, out)
 
     def plan(req, *args):  # a bug met while preparing one job
@@ -327,6 +330,7 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     ] + [
         job(stream=True, max_tokens=10**6).model_copy(update={"id": cancelled}),
         job(stream=True, max_tokens=10**6, stop=["hello"]).model_copy(update={"id": stopped}),
+        job(stream=True, max_tokens=6).model_copy(update={"id": unencodable}),
     ]
     for j in jobs:  # as the API's submit and a worker's claim leave them
         r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
@@ -365,6 +369,11 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     assert [e["seq"] for e in unfinished_events] == list(range(1, len(unfinished_events) + 1))
     assert r.hget(keys.job(unfinished), "status") == "failed"
     assert events(cancelled)[-1]["event"] == "done" and r.hget(keys.job(cancelled), "status") == "cancelled"
+    # Its events could not be written; the good job's events of the same steps were (its text above is whole).
+    unencodable_events = events(unencodable)
+    assert [e["event"] for e in unencodable_events[-2:]] == ["error", "done"]
+    assert unencodable_events[-2]["data"]["error"]["message"] == "output processing failed (TypeError)"
+    assert [e["seq"] for e in unencodable_events] == list(range(1, len(unencodable_events) + 1))
     # What the Celery task returns, and Flower shows.
     assert [run.status for run in runs] == [
         JobStatus.completed,
@@ -372,6 +381,7 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
         JobStatus.failed,
         JobStatus.failed,
         JobStatus.cancelled,
+        JobStatus.failed,
         JobStatus.failed,
     ]
 
