@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     worker_concurrency: int = 64
     # A worker that has not refreshed its registry entry for this long counts as dead.
     worker_ttl: int = 15
+    # An engine step running longer than this means the engine hung (a driver, a deadlock): the worker stops
+    # refreshing its registry entry. It must outlast the slowest real step, a long prompt's prefill on a CPU.
+    step_timeout: float = 300.0
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
     device: str = "auto"
     dtype: str = "auto"

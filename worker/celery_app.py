@@ -77,18 +77,30 @@ def _shutdown(**_kwargs) -> None:
 
 
 def _heartbeat(state: WorkerState) -> None:
-    """Keeps this worker in the model's live-worker registry, which /health and schedulers read."""
-    key = keys.workers(settings.model_name)
     while not _heartbeat_stop.is_set():
-        try:
-            now = time.time()
-            pipe = state.redis.pipeline(transaction=False)
-            pipe.zadd(key, {state.name: now})
-            pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
-            pipe.execute()
-        except redis.RedisError:
-            log.warning("heartbeat failed", exc_info=True)
+        beat(state, settings)
         _heartbeat_stop.wait(settings.worker_ttl / 3)
+
+
+def beat(state: WorkerState, settings: Settings) -> str | None:
+    """Keeps this worker in the model's live-worker registry, which /health and schedulers read, while its engine
+    makes progress: a process that is up around a hung engine serves no one. Returns what stalled it, if anything."""
+    key = keys.workers(settings.model_name)
+    stalled = state.runner.stalled(settings.step_timeout)
+    try:
+        now = time.time()
+        pipe = state.redis.pipeline(transaction=False)
+        if stalled:
+            pipe.zrem(key, state.name)
+        else:
+            pipe.zadd(key, {state.name: now})
+        pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("heartbeat failed", exc_info=True)
+    if stalled:
+        log.error("out of the live-worker registry until the engine moves again: %s", stalled)
+    return stalled
 
 
 @app.task(name=GENERATE_TASK)

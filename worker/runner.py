@@ -344,6 +344,7 @@ class Runner:
         self.by_seq: dict[str, tuple[JobRun, Choice]] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="chatq-engine", daemon=True)
+        self.stepping_since: float | None = None  # time.monotonic() when the engine step under way began
 
     def start(self) -> None:
         """Starts the engine thread and returns once the model is loaded in it."""
@@ -351,6 +352,15 @@ class Runner:
         self._ready.wait()
         if self._failed is not None:
             raise RuntimeError("the engine could not be built") from self._failed
+
+    def stalled(self, limit: float) -> str | None:
+        """Why this worker's engine cannot be counted on to make progress, or None while it can."""
+        if not self.thread.is_alive():
+            return "the engine thread has stopped"
+        since = self.stepping_since
+        if since is not None and (took := time.monotonic() - since) > limit:
+            return f"an engine step has been running for {took:.0f} s"
+        return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -411,7 +421,14 @@ class Runner:
             self.engine.wakeup.wait(0.5)
             self.engine.wakeup.clear()
             return
-        for out in self.engine.step() if self.engine.has_work() else []:
+        outputs = []
+        if self.engine.has_work():
+            self.stepping_since = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.stepping_since = None
+        for out in outputs:
             entry = self.by_seq.get(out.seq.id)
             if entry is None:  # the engine confirming a drop we asked for after the job had ended
                 continue

@@ -1,0 +1,56 @@
+"""The worker's heartbeat: in the live-worker registry only while its engine makes progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+from tokenizers import Tokenizer
+
+from bench.zero_engine import ZeroEngine
+from shared import keys
+from shared.protocol import ChatCompletionRequest, Job
+from shared.settings import Settings
+from worker.celery_app import WorkerState, beat
+from worker.publish import Publisher
+from worker.runner import Runner
+
+
+class HangingEngine(ZeroEngine):
+    """Its steps wait for `release`, as a step stuck in a driver would wait for ever."""
+
+    def __init__(self, token_id: int):
+        super().__init__(token_id)
+        self.release = threading.Event()
+
+    def step(self):
+        self.release.wait()
+        return super().step()
+
+
+def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(settings, r):
+    settings = settings.model_copy(update={"model_name": "model-of-a-hanging-worker", "step_timeout": 0.3})
+    tokenizer = Tokenizer.from_file(str(Settings().model_dir / "tokenizer.json"))
+    engine = HangingEngine(token_id=5)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    runner = Runner(lambda: engine, tokenizer, [2], Publisher(client, settings, "hanging"), 10**7, settings=settings)
+    state = WorkerState(client, runner, "hanging")
+    registry = keys.workers(settings.model_name)
+    runner.start()
+    try:
+        assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        run = runner.submit(Job(id="chatcmpl-hanging", model=settings.model_name, request=request, prompt_ids=[1]))
+        time.sleep(0.6)  # the step began and has run past step_timeout
+        stalled = beat(state, settings)
+        assert stalled is not None and stalled.startswith("an engine step has been running for")
+        assert r.zscore(registry, "hanging") is None
+        engine.release.set()
+        assert run.done.wait(10)
+        assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
+    finally:
+        engine.release.set()
+        runner.stop()
+    assert runner.stalled(settings.step_timeout) == "the engine thread has stopped"
+    r.delete(registry, keys.job("chatcmpl-hanging"), keys.events("chatcmpl-hanging"))
