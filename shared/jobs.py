@@ -72,30 +72,38 @@ end
 return status
 """
 
-# One call per engine step for every event of every job: KEYS come in pairs (a job's event log, its live channel),
-# ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published. An event
-# already in the log (its id is not above the log's last) is skipped, so a step sent again after a lost reply is
-# written and published once. A log that can never take an entry (its key holds another type) costs its job the
-# replay, not the other jobs their events: the event is still published (again each time the step is sent again:
-# readers drop what they already have by its number), and the key is returned. Any other refusal (out of memory, a
-# read-only replica) stops the step, which the worker sends again.
+# One call per engine step for every event of every job: KEYS come in threes (a job's record, its event log, its live
+# channel), ARGV in pairs (the entry id 0-<seq>, the message). Each event is appended to the log, then published. An
+# event already in the log (its id is not above the log's last) is skipped, so a step sent again after a lost reply is
+# written and published once. So is every event of a job whose record is gone: while a job runs its record exists
+# (hidden, if DELETE came), so a missing one means the job's last write, which removes a deleted job's record and
+# log, already landed, and this is that step sent again: written, it would bring back a log that a job submitted
+# again under the same id would meet. A log that can never take an entry (its key holds another type) costs its job
+# the replay, not the other jobs their events: the event is still published (again each time the step is sent
+# again: readers drop what they already have by its number), and the key is returned. Any other refusal (out of
+# memory, a read-only replica) stops the step, which the worker sends again.
 PUBLISH_EVENTS = """
-local refused = {}
-for i = 1, #KEYS, 2 do
-  local added = redis.pcall('XADD', KEYS[i], ARGV[i], 'msg', ARGV[i + 1])
-  local err = type(added) == 'table' and added.err
-  if err then
-    -- Redis 6 words a refusal raised inside a script "@user_script: 4: -READONLY ...": keep "READONLY ...", whose
-    -- first word is what clients read the kind of error from.
-    err = err:gsub('^@[^:]*:%s*%d+:%s*', ''):gsub('^%-', ''):gsub('%s+$', '')
-  end
-  if not err then
-    redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
-  elseif string.sub(err, 1, 9) == 'WRONGTYPE' then
-    refused[#refused + 1] = KEYS[i]
-    redis.call('PUBLISH', KEYS[i + 1], ARGV[i + 1])
-  elseif not string.find(err, 'equal or smaller', 1, true) then
-    return redis.error_reply(err)
+local refused, exists = {}, {}
+for k = 1, #ARGV / 2 do
+  local job, i = KEYS[3 * k - 2], 2 * k - 1
+  if exists[job] == nil then exists[job] = redis.call('EXISTS', job) == 1 end
+  if exists[job] then
+    local log, live = KEYS[3 * k - 1], KEYS[3 * k]
+    local added = redis.pcall('XADD', log, ARGV[i], 'msg', ARGV[i + 1])
+    local err = type(added) == 'table' and added.err
+    if err then
+      -- Redis 6 words a refusal raised inside a script "@user_script: 4: -READONLY ...": keep "READONLY ...", whose
+      -- first word is what clients read the kind of error from.
+      err = err:gsub('^@[^:]*:%s*%d+:%s*', ''):gsub('^%-', ''):gsub('%s+$', '')
+    end
+    if not err then
+      redis.call('PUBLISH', live, ARGV[i + 1])
+    elseif string.sub(err, 1, 9) == 'WRONGTYPE' then
+      refused[#refused + 1] = log
+      redis.call('PUBLISH', live, ARGV[i + 1])
+    elseif not string.find(err, 'equal or smaller', 1, true) then
+      return redis.error_reply(err)
+    end
   end
 end
 return refused

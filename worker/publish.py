@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,9 +31,10 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 
 # What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
-# or a primary failing over. Anything else it refuses, such as a key of the wrong type, would never land, and
-# waiting for it would stall every job of the worker; such a command is logged and given up while the rest of its
-# step stands, and a stream that meets a later event of its job ends with an error at the gap (api/relay.py).
+# or a primary failing over, loading its data, busy in a script, or refusing writes since its last save to disk
+# failed. Anything else it refuses, such as a key of the wrong type, would never land, and waiting for it would
+# stall every job of the worker; such a command is logged and given up while the rest of its step stands, and a
+# stream that meets a later event of its job ends with an error at the gap (api/relay.py).
 RETRIED = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -41,6 +43,16 @@ RETRIED = (
     redis.exceptions.MasterDownError,
     redis.exceptions.TryAgainError,
 )
+# redis-py has no class for these, and words an error met inside a transaction "Command # 3 (SREM ...) of pipeline
+# caused error: MISCONF ...", so they are told by their code wherever it stands.
+TRANSIENT_CODES = re.compile(r"\b(MISCONF|BUSY|NOREPLICAS|LOADING|OOM|READONLY|MASTERDOWN|TRYAGAIN)\b")
+
+
+def retried(error: BaseException) -> bool:
+    """Whether a step that met this error is sent again until Redis takes it."""
+    return isinstance(error, RETRIED) or (
+        isinstance(error, redis.ResponseError) and TRANSIENT_CODES.search(str(error)) is not None
+    )
 
 
 @dataclass
@@ -82,7 +94,7 @@ class Publisher:
             event_keys: list[str] = []
             args: list[str | bytes] = []
             for job_id, event in writes.events:
-                event_keys += [keys.events(job_id), keys.live(job_id)]
+                event_keys += [keys.job(job_id), keys.events(job_id), keys.live(job_id)]
                 args += [f"0-{event.seq}", event.to_json()]
             pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
         for job_id, tokens in writes.progress.items():
@@ -110,7 +122,7 @@ class Publisher:
         results = pipe.execute(raise_on_error=False)
         errors = [r for r in results if isinstance(r, Exception)]
         for error in errors:
-            if isinstance(error, RETRIED):
+            if retried(error):
                 raise error  # the whole step is sent again: what already landed is skipped or written the same
         if errors:
             log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
@@ -170,7 +182,10 @@ class Outbox:
             try:
                 cancelled = self.publisher.flush(writes)
                 break
-            except RETRIED as e:
+            except Exception as e:
+                if not retried(e):
+                    log.exception("writing a step to Redis failed")
+                    break
                 # Sent again until Redis takes it: the step's events are skipped where they were already written.
                 if self._closing.is_set():
                     log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
@@ -178,9 +193,6 @@ class Outbox:
                 log.warning("Redis cannot take a step (%s); writing it again in %.1f s", e, delay)
                 self._closing.wait(delay)
                 delay = min(2 * delay, 2.0)
-            except Exception:
-                log.exception("writing a step to Redis failed")
-                break
         try:
             then(cancelled)
         except Exception:

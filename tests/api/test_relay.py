@@ -24,7 +24,8 @@ def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
     for s in seqs:
         data = None if s == last else {"choices": [{"delta": {"content": f"t{s}"}}]}
         args += [f"0-{s}", Event(s, EventKind.done if s == last else EventKind.chunk, data).to_json()]
-    event_keys = [keys.events(job_id), keys.live(job_id)] * len(seqs)
+    r.hsetnx(keys.job(job_id), "id", job_id)  # the worker writes only the events of jobs that exist
+    event_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id)] * len(seqs)
     r.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
@@ -106,6 +107,10 @@ def test_a_job_deleted_while_running_goes_with_its_last_write(settings):
     )
     assert pub.flush(ended) == set()
     assert not r.exists(keys.job(job_id)) and not r.exists(keys.events(job_id))
+    # Sent again, as after a reply lost on its way back: the log stays gone, or a job submitted again under the id
+    # would meet the old run's events (and its own, numbered the same, would be skipped).
+    pub.flush(ended)
+    assert not r.exists(keys.job(job_id)) and not r.exists(keys.events(job_id))
     # A record gone altogether is not brought back by the writes of a run that outlived it.
     pub.flush(StepWrites(progress={job_id: 4}))
     pub.flush(StepWrites(ended=[JobEnd(job_id, JobStatus.cancelled, 4)]))
@@ -117,6 +122,7 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = f"chatcmpl-outbox-test-{threaded}"
     worker = f"w@outbox-{threaded}"
+    r.hset(keys.job(job_id), "id", job_id)
     outbox = Outbox(publisher(settings, worker), threaded=threaded)
     seen: list[tuple[int, int, set[str]]] = []
     for seq in range(1, 51):
@@ -141,6 +147,7 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
 def test_a_step_sent_again_is_written_and_published_once(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = "chatcmpl-publish-twice"
+    r.hset(keys.job(job_id), "id", job_id)
     pub = publisher(settings)
     listener = r.pubsub()
     listener.subscribe(keys.live(job_id))
@@ -159,9 +166,10 @@ def test_a_step_sent_again_is_written_and_published_once(settings):
 
 @pytest.mark.parametrize("threaded", [True, False])
 def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
-    server = EmbeddedRedis(tmp_path, persist=False).start()
+    server = EmbeddedRedis(tmp_path).start()
     port = server.port
     client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
+    client.hset(keys.job("chatcmpl-retry"), "id", "chatcmpl-retry")  # kept across the restart, as the server persists
     outbox = Outbox(publisher(settings, client=client), threaded=threaded)
     server.stop()
     written = threading.Event()
@@ -170,7 +178,7 @@ def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
     threading.Thread(target=outbox.put, args=(step, lambda _: written.set()), daemon=True).start()
     time.sleep(0.5)
     assert not written.is_set()
-    server = EmbeddedRedis(tmp_path, persist=False)
+    server = EmbeddedRedis(tmp_path)
     server.port = port  # the same port, though the old one's connections may still hold it in TIME_WAIT
     server.start()
     try:
@@ -186,6 +194,7 @@ def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
     client = redis.Redis(port=server.port, decode_responses=True)
     outbox = Outbox(publisher(settings, client=client), threaded=True)
     try:
+        client.hset(keys.job("chatcmpl-oom"), "id", "chatcmpl-oom")
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 1)  # below what it uses: every write is refused
         written = threading.Event()
@@ -205,6 +214,9 @@ def test_a_step_waits_while_redis_is_a_read_only_replica(tmp_path, settings, red
     client = redis.Redis(port=server.port, decode_responses=True)
     outbox = Outbox(publisher(settings, client=client), threaded=True)
     try:
+        # On both: once it syncs, a replica holds its primary's data.
+        for c in (client, redis.Redis(port=redis_server.port)):
+            c.hset(keys.job("chatcmpl-ro"), "id", "chatcmpl-ro")
         client.replicaof("127.0.0.1", redis_server.port)  # as after a failover demoted it
         written = threading.Event()
         # Events only: the refusal comes from inside the publish script, not when the transaction is queued.
@@ -214,6 +226,38 @@ def test_a_step_waits_while_redis_is_a_read_only_replica(tmp_path, settings, red
         client.replicaof("NO", "ONE")
         assert written.wait(10)
         assert client.xlen(keys.events("chatcmpl-ro")) == 1
+    finally:
+        outbox.close()
+        server.stop()
+
+
+def test_a_step_waits_while_redis_refuses_writes_after_a_failed_save(tmp_path, settings):
+    data = tmp_path / "data"
+    server = EmbeddedRedis(data, persist=False).start()
+    client = redis.Redis(port=server.port, decode_responses=True)
+    outbox = Outbox(publisher(settings, client=client), threaded=True)
+    job_id = "chatcmpl-misconf"
+    try:
+        client.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
+        client.config_set("save", "3600 1")  # refusing writes after a failed save is for servers that save
+        shutil.rmtree(data)  # as a full or failing disk: the save fails, and Redis refuses writes (MISCONF)
+        client.bgsave()
+        while client.info("persistence")["rdb_bgsave_in_progress"]:
+            time.sleep(0.05)
+        with pytest.raises(redis.ResponseError, match="MISCONF"):
+            client.set("probe", 1)
+        written = threading.Event()
+        step = StepWrites(
+            events=[(job_id, Event(seq=1, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.completed, 1)]
+        )
+        outbox.put(step, lambda _: written.set())
+        time.sleep(0.5)
+        assert not written.is_set()
+        data.mkdir()
+        client.config_set("dir", str(data))  # the server's working directory was the one removed
+        client.bgsave()  # a save that succeeds lifts the refusal
+        assert written.wait(10)
+        assert client.xlen(keys.events(job_id)) == 1 and client.hget(keys.job(job_id), "status") == "completed"
     finally:
         outbox.close()
         server.stop()
@@ -250,6 +294,8 @@ def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     broken, fine = "chatcmpl-broken-log", "chatcmpl-fine-log"
     r.set(keys.events(broken), "not a stream")
+    for job_id in (broken, fine):
+        r.hset(keys.job(job_id), "id", job_id)
     worker = "w@broken-log"
     r.sadd(keys.cancels(worker), fine)
     listener = r.pubsub()
