@@ -7,6 +7,7 @@ import contextlib
 import gc
 import importlib.metadata
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from api import errors
 from api.errors import BadRequest, ClientDisconnected, ModelNotFound, ServiceUnavailable
 from api.jobs import JobStore
-from api.relay import Relay
+from api.relay import Relay, ending
 from shared import collector, keys
 from shared.protocol import (
     ChatCompletionRequest,
@@ -39,6 +40,8 @@ from shared.protocol import (
 from shared.queue import make_celery
 from shared.settings import Settings
 from worker.render import Renderer
+
+log = logging.getLogger(__name__)
 
 MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
 CANCEL_WAIT = 5.0  # seconds a cancel waits for a running job to stop
@@ -149,12 +152,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     def sse(job_id: str, after: int, cancel_on_disconnect: bool) -> EventStream:
         async def frames() -> AsyncIterator[bytes]:
-            finished = False
+            finished, last = False, after
             try:
                 # Events that arrived together leave in one write: a stream that fell behind catches up cheaply.
                 async for batch in relay.batches(job_id, after):
                     yield b"".join(e.sse_frame() for e in batch)
+                    last = batch[-1].seq
                 finished = True
+            except Exception:
+                # The client is still there: it gets an error and the end of the stream, and its job goes on.
+                log.exception("relaying job %s failed", job_id)
+                finished = True
+                failed = ending(last, "Relaying this job's output failed; resume the stream to read the rest.")
+                yield b"".join(e.sse_frame() for e in failed)
             finally:
                 if cancel_on_disconnect and not finished:
                     cancel_later(job_id)
@@ -281,12 +291,14 @@ def create_app(settings: Settings) -> FastAPI:
         job = await store.get(job_id)
         if not stream:
             return await store.view(job)
-        after = starting_after
-        if after is None and last_event_id:
-            after = int(last_event_id) if last_event_id.isascii() and last_event_id.isdigit() else -1
-            if not 0 <= after <= MAX_SEQ:
+        after = starting_after or 0
+        if last_event_id:
+            seen = int(last_event_id) if last_event_id.isascii() and last_event_id.isdigit() else -1
+            if not 0 <= seen <= MAX_SEQ:
                 raise BadRequest("Last-Event-ID must be an event sequence number.", "Last-Event-ID")
-        after = after or 0
+            # A browser's EventSource reconnects to the same URL, starting_after and all, and names in this header
+            # the last event it got: the later of the two is where the client stands.
+            after = max(after, seen)
         last = await relay.last_seq(job.id) if job.status.finished else None
         if last is not None and after >= last:
             # The client has every event, `done` included: 204 also tells a browser's EventSource to stop.

@@ -208,18 +208,33 @@ class Relay:
             del self._channels[name]
             self._subscriber.unsubscribe(name)
 
-    async def _log(self, job_id: str, after: int) -> list[Event] | None:
-        """The job's logged events after `after`; None if its log's key holds another type of value, so the log
-        will never be read (the worker still publishes the job's events live)."""
-        try:
-            entries: list[tuple[str, dict[str, str]]] = await self.redis.xrange(  # type: ignore[assignment]
-                keys.events(job_id), min=f"0-{after + 1}"
-            )
-        except aioredis.ResponseError as e:
-            if not str(e).startswith("WRONGTYPE"):
-                raise
-            return None
-        return [Event.from_json(fields["msg"]) for _, fields in entries]
+    async def _log(self, job_id: str, after: int) -> tuple[list[Event] | None, bool]:
+        """The job's logged events after `after`, and whether the job still exists.
+
+        The events are None if the log's key holds another type of value, so the log will never be read (the
+        worker still publishes the job's events live). A job whose record is gone (deleted, expired) gets no more
+        events: its worker writes only those of jobs that exist. While Redis is unreachable or loading its data,
+        this waits for it, as the worker does, rather than end a stream whose job goes on.
+        """
+        delay = 0.1
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xrange(keys.events(job_id), min=f"0-{after + 1}")
+            pipe.exists(keys.job(job_id))
+            try:
+                entries, exists = await pipe.execute(raise_on_error=False)
+                break
+            except (aioredis.ConnectionError, aioredis.TimeoutError) as e:
+                log.warning("reading the log of %s failed (%s); trying again in %.1f s", job_id, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        if isinstance(exists, Exception):
+            raise exists
+        if isinstance(entries, Exception):
+            if not str(entries).startswith("WRONGTYPE"):
+                raise entries
+            return None, bool(exists)
+        return [Event.from_json(fields["msg"]) for _, fields in entries], bool(exists)
 
     async def last_seq(self, job_id: str) -> int | None:
         """The number of the job's last logged event, 0 if none is; None if its log cannot be read."""
@@ -238,10 +253,10 @@ class Relay:
         inbox = await self._open(channel)
         try:
             last = after
-            backlog, from_log = await self._log(job_id, last), True
+            (backlog, exists), from_log = await self._log(job_id, last), True
             while True:
                 if backlog is None:  # what this stream lacks is only in a log that cannot be read
-                    yield lost(last)
+                    yield ending(last, LOST)
                     return
                 batch, gap = [], False
                 for event in backlog:
@@ -260,16 +275,19 @@ class Relay:
                 if gap and from_log:
                     # A job's log is written in order, so a gap in it stays: end the stream and say so, rather
                     # than wait for an event that will never come or go on with a hole in the text.
-                    yield [*batch, *lost(last)]
+                    yield [*batch, *ending(last, LOST)]
+                    return
+                if from_log and not exists:  # deleted or expired: what the log held is all there will be
+                    yield [*batch, *ending(last, GONE, "NotFoundError", 404)]
                     return
                 if batch:
                     yield batch
                 if gap:  # a message was missed: the log has it
-                    backlog, from_log = await self._log(job_id, last), True
+                    (backlog, exists), from_log = await self._log(job_id, last), True
                     continue
                 raw = await inbox.take()
                 if RESYNC in raw:  # the connection broke: what was published meanwhile is only in the log
-                    backlog, from_log = await self._log(job_id, last), True
+                    (backlog, exists), from_log = await self._log(job_id, last), True
                 else:
                     backlog, from_log = [Event.from_json(m) for m in raw], False
         finally:
@@ -282,12 +300,13 @@ class Relay:
                     yield event
 
 
-def lost(last: int) -> list[Event]:
-    """How a stream ends when the event after `last` never reached the log (a worker could not write it). Both
-    carry `last`'s number: a client that resumes from them meets the same gap, not a text with a hole in it."""
-    body = error_body(
-        "Part of this job's output was lost before it could be relayed.",
-        "InternalServerError",
-        500,
-    )
-    return [Event(last, EventKind.error, body), Event(last, EventKind.done)]
+def ending(last: int, message: str, type_: str = "InternalServerError", code: int = 500) -> list[Event]:
+    """How a stream ends when it cannot go on: an error, then `done`. Both carry `last`'s number, so a client that
+    resumes from them reads on from where this stream stopped."""
+    return [Event(last, EventKind.error, error_body(message, type_, code)), Event(last, EventKind.done)]
+
+
+# The event after the last one sent never reached the log (a worker could not write it): a client that resumes meets
+# the same gap, not a text with a hole in it.
+LOST = "Part of this job's output was lost before it could be relayed."
+GONE = "The job was deleted or has expired."

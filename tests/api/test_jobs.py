@@ -76,12 +76,23 @@ def test_late_subscriber_gets_every_event_once_in_order(http: httpx.Client):
         http, "GET", f"/v1/chat/completions/{job['id']}", params={"stream": "true", "starting_after": str(k + 3)}
     )
     assert [f.id for f in after] == [f.id for f in fs[k + 3 :]]
+    # A browser's EventSource reconnects to the URL it opened, with the last event it got in the header.
+    reconnected = stream(
+        http,
+        "GET",
+        f"/v1/chat/completions/{job['id']}",
+        params={"stream": "true", "starting_after": "2"},
+        headers={"Last-Event-ID": str(k)},
+    )
+    assert [f.id for f in reconnected] == [f.id for f in fs[k:]]
 
     # Resuming from the last event (as a browser's EventSource does after [DONE]): nothing is left, and a 204,
     # rather than a stream that never ends, says so.
     url = f"/v1/chat/completions/{job['id']}"
     assert http.get(url, params={"stream": "true"}, headers={"Last-Event-ID": str(fs[-1].id)}).status_code == 204
     assert http.get(url, params={"stream": "true", "starting_after": "999999"}).status_code == 204
+    params = {"stream": "true", "starting_after": "2"}
+    assert http.get(url, params=params, headers={"Last-Event-ID": str(fs[-1].id)}).status_code == 204
     # Numbers that cannot be events are a 400 naming where they came from.
     for params, headers, param in (
         ({"starting_after": str(2**64)}, {}, "starting_after"),

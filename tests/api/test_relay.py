@@ -18,13 +18,18 @@ from shared.protocol import Event, EventKind
 from shared.settings import Settings
 
 
+def record(r: redis.Redis, job_id: str) -> None:
+    """The job's record, which exists before any stream of it opens: a stream of a job without one ends at once."""
+    r.hsetnx(keys.job(job_id), "id", job_id)
+
+
 def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
     """Events `seqs` of a job in the worker's format; `last` is its done event."""
     args: list[str | bytes] = []
     for s in seqs:
         data = None if s == last else {"choices": [{"delta": {"content": f"t{s}"}}]}
         args += [f"0-{s}", Event(s, EventKind.done if s == last else EventKind.chunk, data).to_json()]
-    r.hsetnx(keys.job(job_id), "id", job_id)  # the worker writes only the events of jobs that exist
+    record(r, job_id)  # the worker writes only the events of jobs that exist
     event_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id)] * len(seqs)
     r.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
@@ -45,6 +50,7 @@ async def until_subscribed(r: aioredis.Redis, channel: str) -> None:
 @pytest.mark.timeout(30)
 def test_every_event_once_across_a_broken_pubsub_connection(settings: Settings, r: redis.Redis) -> None:
     job = "chatcmpl-relay-broken"
+    record(r, job)
 
     async def main() -> list[int]:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -91,6 +97,7 @@ def follow_then_read(
 ) -> list[list[Event]]:
     """The events of a stream that follows `job` live while `during` runs (given the list they arrive in), then of
     streams started afterwards from each of `afters`."""
+    record(redis.Redis.from_url(settings.redis_url), job)
 
     async def main() -> list[list[Event]]:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -156,6 +163,7 @@ def test_a_password_protected_redis(tmp_path) -> None:
         admin.config_set("requirepass", "s3cret")
         url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
         r = redis.Redis.from_url(url)
+        record(r, job)
 
         async def main() -> list[int]:
             client = aioredis.Redis.from_url(url, decode_responses=True)
@@ -175,6 +183,8 @@ def test_a_password_protected_redis(tmp_path) -> None:
 @pytest.mark.timeout(30)
 def test_a_foreign_message_on_one_channel_stalls_no_other_stream(settings: Settings, r: redis.Redis) -> None:
     polluted, clean = "chatcmpl-relay-polluted", "chatcmpl-relay-clean"
+    for job in (polluted, clean):
+        record(r, job)
 
     async def main() -> list[int]:
         client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -192,3 +202,59 @@ def test_a_foreign_message_on_one_channel_stalls_no_other_stream(settings: Setti
         return seqs
 
     assert asyncio.run(main()) == [1, 2, 3]
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_of_a_job_deleted_before_it_subscribed_ends_instead_of_waiting(
+    settings: Settings, r: redis.Redis
+) -> None:
+    # As when a DELETE lands between the API's read of the job and its subscription: the closing events were
+    # published to no one and the record and log are gone, so nothing more will ever come.
+    async def main() -> list[Event]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        got = await events(Relay(client, settings.redis_url), "chatcmpl-relay-deleted")
+        await client.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert [(e.seq, e.event) for e in got] == [(0, EventKind.error), (0, EventKind.done)]
+    assert got[0].data is not None and got[0].data["error"]["code"] == 404
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_waits_through_a_redis_restart(tmp_path) -> None:
+    servers = [EmbeddedRedis(tmp_path).start()]
+    port, job = servers[0].port, "chatcmpl-relay-restart"
+    try:
+        r = redis.Redis(port=port)
+        record(r, job)
+
+        async def main() -> list[int]:
+            # Built as the API builds it: from a pool, whose connections do not retry a command on their own.
+            pool = aioredis.ConnectionPool.from_url(servers[0].url, decode_responses=True)
+            client = aioredis.Redis(connection_pool=pool)
+            relay = Relay(client, servers[0].url)
+            seen: list[int] = []
+
+            async def follow() -> None:
+                async for event in relay.events(job):
+                    seen.append(event.seq)
+
+            stream = asyncio.create_task(follow())
+            await until_subscribed(client, keys.live(job))
+            publish(r, job, 1, 2, last=4)
+            while len(seen) < 2:
+                await asyncio.sleep(0.01)
+            servers[0].stop()  # its data is on disk: the restart loses nothing
+            await asyncio.sleep(0.5)
+            servers[0] = EmbeddedRedis(tmp_path)
+            servers[0].port = port
+            servers[0].start()
+            publish(r, job, 3, 4, last=4)  # before the relay is back on the channel: only the log has them
+            await stream
+            await client.aclose()
+            return seen
+
+        assert asyncio.run(main()) == [1, 2, 3, 4]
+    finally:
+        servers[0].stop()
