@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api import errors
@@ -119,8 +121,14 @@ class Model:
 def create_app(settings: Settings) -> FastAPI:
     # Hundreds of requests may wait on Redis at once (submits, each new stream's log read): the pool grows with
     # them instead of making them queue behind a small cap.
+    # A command whose connection failed is sent again on a new one: after Redis restarts, every pooled connection is
+    # stale and fails its next command (before Redis saw it), which would otherwise reach a client as an error.
     pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, decode_responses=True, max_connections=10_000, timeout=None
+        settings.redis_url,
+        decode_responses=True,
+        max_connections=10_000,
+        timeout=None,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
     )
     client = aioredis.Redis(connection_pool=pool)
     store = JobStore(client, make_celery(settings), settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -113,6 +114,13 @@ def install(app: FastAPI) -> None:
             e.status_code, "APIError"
         )
         return _response(e.status_code, type_, str(e.detail), None)
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _redis_unreachable(_: Request, e: Exception) -> JSONResponse:
+        # Redis restarting or out of reach: a 503, which clients such as the openai SDK retry, not a 500.
+        headers = {"Retry-After": "1"}
+        return _response(503, "ServiceUnavailableError", "The job store (Redis) is unreachable; retry.", None, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 
 
@@ -18,6 +19,13 @@ class _Channel(kombu_redis.Channel):
     _client: Any = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
+        if self.connection is None or self.connection.client is None:
+            # The channel was closed with its connection (Redis went away). kombu would build a new pool from the
+            # missing connection's settings and fail with an AttributeError, which Celery's consumer does not take
+            # for a connection error: the worker process died where it should have reconnected. As a connection
+            # error it is what it is: the restore of unacknowledged messages on close and the acks of jobs that were
+            # running are given up (and logged), as when Redis is unreachable, and the consumer reconnects.
+            raise redis.ConnectionError("the broker connection this channel belonged to is closed")
         if asynchronous:
             return super()._create_client(asynchronous=True)
         if self._client is None or self._client.connection_pool is not self.pool:

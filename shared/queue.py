@@ -34,6 +34,9 @@ def make_celery(settings: Settings) -> Celery:
         # A job is acknowledged only once it finished, so a worker that dies mid-job leaves it to be redelivered.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # A job goes on through a broker outage: its engine keeps it, and its writes wait for Redis. (Cancelled, it
+        # would be delivered again only to find itself claimed.)
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         # Redelivery of an unacknowledged job waits this long; it must outlast the longest generation.

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,9 +20,60 @@ import redis.asyncio as aioredis
 
 from api.jobs import JobStore
 from shared import keys
+from shared.cli import api_command, worker_command
 from shared.queue import make_celery
 from shared.settings import Settings
 from worker.parse import Delta, Message, Parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CHATQ_REDIS_URL=settings.redis_url,
+        CHATQ_API_PORT=str(settings.api_port),
+        CHATQ_WORKER_CONCURRENCY=str(settings.worker_concurrency),
+        CHATQ_SSE_KEEPALIVE=str(settings.sse_keepalive),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@contextlib.contextmanager
+def running_stack(settings: Settings, logs: Path) -> Iterator[str]:
+    """A worker and an API on `settings`' Redis; the API's base URL once it is healthy."""
+    procs = []
+    for name, command in (("worker", worker_command(settings)), ("api", api_command(settings))):
+        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (closed with the process below)
+        procs.append(
+            (subprocess.Popen(command, env=_env(settings), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out)
+        )
+    base = f"http://{settings.api_host}:{settings.api_port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            dead = [p for p, _ in procs if p.poll() is not None]
+            if dead or time.time() > deadline:
+                for name in ("worker", "api"):
+                    sys.stderr.write((logs / f"{name}.log").read_text()[-3000:])
+                raise RuntimeError("the chatq stack did not become healthy")
+            time.sleep(0.5)
+        yield base
+    finally:
+        for p, _ in procs:
+            p.terminate()
+        for p, out in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            out.close()
 
 
 @dataclass
