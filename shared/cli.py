@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import pydantic
 
 from shared import keys
 from shared.settings import Settings
@@ -23,10 +25,14 @@ def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def _celery(*args: str) -> list[str]:
+    # The console script, not `python -m celery`: on SIGHUP a worker restarts itself by running its argv again, and
+    # celery/__main__.py run as a file cannot import its own package.
+    return [str(Path(sys.executable).parent / "celery"), *args]
+
+
 def worker_command(settings: Settings) -> list[str]:
-    return _python(
-        "-m",
-        "celery",
+    return _celery(
         "-A",
         "worker.celery_app",
         "worker",
@@ -61,9 +67,7 @@ def api_command(settings: Settings) -> list[str]:
 
 
 def flower_command(settings: Settings) -> list[str]:
-    return _python(
-        "-m",
-        "celery",
+    return _celery(
         "-A",
         "worker.celery_app",
         "flower",
@@ -72,29 +76,33 @@ def flower_command(settings: Settings) -> list[str]:
     )
 
 
+PREPARE = """
+import signal, sys
+from shared.settings import Settings
+from worker.model import ensure_model_dir
+# Stopped, it unwinds, so the conversion removes its half-written files (half a gigabyte) on the way out.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+try:
+    ensure_model_dir(Settings())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
 def prepare_model(settings: Settings) -> None:
     """Converts the default model once, before anything needs its files."""
-    subprocess.run(
-        _python(
-            "-c",
-            "from shared.settings import Settings; from worker.model import ensure_model_dir; "
-            "ensure_model_dir(Settings())",
-        ),
-        check=True,
-    )
+    proc = subprocess.Popen(_python("-c", PREPARE))
+    try:
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
 
 
 def up(settings: Settings, with_flower: bool = True) -> int:
     from shared.embedded_redis import EmbeddedRedis
-
-    redis_server = None
-    env = dict(os.environ)
-    if not settings.redis_url:
-        redis_server = EmbeddedRedis(settings.cache_dir / "redis", port=6379).start()
-        env["CHATQ_REDIS_URL"] = redis_server.url
-        settings = settings.model_copy(update={"redis_url": redis_server.url})
-        print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
-    procs: list[subprocess.Popen] = []
 
     signalled: list[int] = []
 
@@ -102,41 +110,62 @@ def up(settings: Settings, with_flower: bool = True) -> int:
         signalled.append(signum)
         raise KeyboardInterrupt
 
-    # Installed explicitly: a shell that starts `chatq up` in the background leaves SIGINT ignored.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    # Installed first, and explicitly: a shell that starts `chatq up` in the background leaves SIGINT ignored, and a
+    # signal while Redis starts must still stop it. SIGHUP: the terminal closed.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+    redis_server = None if settings.redis_url else EmbeddedRedis(settings.cache_dir / "redis", port=6379)
+    services: dict[str, subprocess.Popen] = {}
     try:
+        env = dict(os.environ)
+        if redis_server is not None:
+            redis_server.start()
+            env["CHATQ_REDIS_URL"] = redis_server.url
+            settings = settings.model_copy(update={"redis_url": redis_server.url})
+            print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
         prepare_model(settings)
-        procs.append(subprocess.Popen(worker_command(settings), env=env))
-        procs.append(subprocess.Popen(api_command(settings), env=env))
+        services["worker"] = subprocess.Popen(worker_command(settings), env=env)
+        services["api"] = subprocess.Popen(api_command(settings), env=env)
         if with_flower:
-            procs.append(subprocess.Popen(flower_command(settings), env=env))
+            services["flower"] = subprocess.Popen(flower_command(settings), env=env)
         print(
-            f"chatq: API on http://{settings.api_host}:{settings.api_port}"
-            + (f", Flower on http://{settings.api_host}:{settings.flower_port}" if with_flower else ""),
+            f"chatq: starting the API on {_url(settings.api_host, settings.api_port)}"
+            + (f" and Flower on {_url(settings.api_host, settings.flower_port)}" if with_flower else ""),
             flush=True,
         )
-        while all(p.poll() is None for p in procs):
+        watched = dict(services)
+        if redis_server is not None and redis_server.proc is not None:
+            watched["redis"] = redis_server.proc  # type: ignore[assignment]
+        while True:
+            for name, p in watched.items():
+                if p.poll() is not None:
+                    print(f"chatq: {name} exited with status {p.returncode}; stopping", file=sys.stderr, flush=True)
+                    return 1
             time.sleep(0.5)
-        return 1
     except KeyboardInterrupt:
         return 0
+    except RuntimeError as e:  # Redis would not start: its own words say why
+        print(f"chatq: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         try:
-            _stop(procs, gently=signalled[:1] == [signal.SIGINT])
+            _stop(services, gently=signalled[:1] == [signal.SIGINT])
         except KeyboardInterrupt:  # asked again while waiting (a worker finishing its jobs): stop waiting
-            for p in procs:
+            for p in services.values():
                 if p.poll() is None:
                     p.kill()
         finally:
             # Redis goes last, whatever happened above, and is not interrupted while it saves.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if redis_server:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
+            if redis_server is not None:
                 redis_server.stop()
 
 
-def _stop(procs: list[subprocess.Popen], gently: bool) -> None:
+def _stop(services: dict[str, subprocess.Popen], gently: bool) -> None:
+    """Stops the services. Gently (a Ctrl-C), the worker is waited for until its running jobs end, however long
+    that takes: killed, it would leave them unfinished. Otherwise each gets 15 s after SIGTERM."""
+    procs = list(services.values())
     if gently:
         # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
         # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
@@ -145,7 +174,11 @@ def _stop(procs: list[subprocess.Popen], gently: bool) -> None:
             time.sleep(0.1)
     for p in reversed(procs):
         if p.poll() is None:
-            p.terminate()
+            p.terminate()  # for Celery too a warm shutdown: running jobs finish first
+    worker = services.get("worker")
+    if gently and worker is not None and worker.poll() is None:
+        print("chatq: waiting for running jobs to finish (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+        worker.wait()
     for p in reversed(procs):
         try:
             p.wait(timeout=15)
@@ -153,8 +186,12 @@ def _stop(procs: list[subprocess.Popen], gently: bool) -> None:
             p.kill()
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _base_url(settings: Settings) -> str:
-    return os.environ.get("CHATQ_API_URL", f"http://{settings.api_host}:{settings.api_port}")
+    return os.environ.get("CHATQ_API_URL", _url(settings.api_host, settings.api_port))
 
 
 def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: float | None) -> int:
@@ -210,23 +247,35 @@ def main(argv: list[str] | None = None) -> int:
     p_job.add_argument("action", choices=["get", "cancel"])
     p_job.add_argument("id")
     args = parser.parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except pydantic.ValidationError as e:
+        for err in e.errors():
+            name = "CHATQ_" + "_".join(str(p) for p in err["loc"]).upper()
+            print(f"chatq: {name}: {err['msg']}", file=sys.stderr)
+        return 2
 
     if args.command == "up":
         return up(settings, with_flower=not args.no_flower)
     if args.command == "prepare":
         prepare_model(settings)
         return 0
-    if args.command == "chat":
+    if args.command in ("chat", "job"):
         try:
+            if args.command == "job":
+                return job(settings, args.action, args.id)
             return chat(settings, args.prompt, args.max_tokens, args.temperature)
         except BrokenPipeError:
             # The reader went away (`chatq chat ... | head`): leaving closes the stream, which cancels the job.
             # stdout is pointed at /dev/null so the interpreter's final flush does not fail a second time.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
-    if args.command == "job":
-        return job(settings, args.action, args.id)
+        except httpx.TransportError as e:
+            print(f"chatq: cannot reach the API at {_base_url(settings)} ({e})", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # leaving closes the stream, which cancels the job
+            print(file=sys.stderr)
+            return 130
     if not settings.redis_url:
         parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")
     command = {"api": api_command, "worker": worker_command, "flower": flower_command}[args.command](settings)

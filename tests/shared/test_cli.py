@@ -99,47 +99,83 @@ def test_up_serves_a_chat_and_flower_then_stops_on_ctrl_c(tmp_path: Path) -> Non
         httpx.get(f"http://127.0.0.1:{api_port}/health", timeout=2)
 
 
-# `chatq up` with its services replaced by processes that ignore Ctrl-C and SIGTERM, as a worker finishing its jobs
-# does, and its Redis by one that records being stopped.
-STUBBORN_UP = """
+# `chatq up` with its Redis and services replaced by stand-ins: argv[2] is the Redis process's command, argv[3] the
+# worker's and argv[4] the API's and Flower's (bash scripts, given the directory to write to as $0).
+FAKE_UP = """
 import subprocess, sys
 from pathlib import Path
 import shared.cli as cli, shared.embedded_redis as embedded
 
-out = Path(sys.argv[1])
+out, redis_script, worker_script, other_script = Path(sys.argv[1]), *sys.argv[2:]
 class Redis:
     url = "redis://127.0.0.1:1/0"
     def __init__(self, *args, **kwargs): pass
     def start(self):
-        self.proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        self.proc = subprocess.Popen(["bash", "-c", redis_script, str(out)], start_new_session=True)
         return self
     def stop(self):
         self.proc.kill()
         (out / "redis-stopped").write_text("yes")
 embedded.EmbeddedRedis = Redis
 cli.prepare_model = lambda settings: None
-def stubborn(settings):
-    return ["bash", "-c", f"trap '' INT TERM; echo $$ >> {out}/pids; exec sleep 60"]
-cli.worker_command = cli.api_command = cli.flower_command = stubborn
+cli.worker_command = lambda settings: ["bash", "-c", worker_script, str(out)]
+cli.api_command = cli.flower_command = lambda settings: ["bash", "-c", other_script, str(out)]
 sys.exit(cli.up(cli.Settings(redis_url="")))
 """
+# Ignores Ctrl-C and SIGTERM, as a worker finishing its jobs does.
+STUBBORN = "trap '' INT TERM; echo $$ >> $0/pids; exec sleep 60"
+
+
+def fake_up(tmp_path: Path, redis: str, worker: str, other: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "CHATQ_REDIS_URL"} | {"CHATQ_CACHE_DIR": str(tmp_path)}
+    return subprocess.Popen(
+        [sys.executable, "-c", FAKE_UP, str(tmp_path), redis, worker, other],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_pids(tmp_path: Path, up: subprocess.Popen, n: int) -> list[str]:
+    pids = tmp_path / "pids"
+    deadline = time.time() + 30
+    while not (pids.exists() and len(pids.read_text().split()) == n):
+        assert time.time() < deadline and up.poll() is None
+        time.sleep(0.1)
+    return pids.read_text().split()
 
 
 def test_a_second_ctrl_c_stops_everything_at_once(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "CHATQ_REDIS_URL"} | {"CHATQ_CACHE_DIR": str(tmp_path)}
-    up = subprocess.Popen([sys.executable, "-c", STUBBORN_UP, str(tmp_path)], cwd=ROOT, env=env)
-    pids = tmp_path / "pids"
-    deadline = time.time() + 30
-    while not (pids.exists() and len(pids.read_text().split()) == 3):
-        assert time.time() < deadline and up.poll() is None
-        time.sleep(0.1)
+    up = fake_up(tmp_path, "exec sleep 600", STUBBORN, STUBBORN)
+    pids = _wait_for_pids(tmp_path, up, 3)
     up.send_signal(signal.SIGINT)
     time.sleep(6)  # past the moment the services get to stop by themselves: `up` now waits on them
     assert up.poll() is None
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=10) == 0
     assert (tmp_path / "redis-stopped").read_text() == "yes"
-    assert not [pid for pid in pids.read_text().split() if _running(pid)]
+    assert not [pid for pid in pids if _running(pid)]
+
+
+def test_the_first_ctrl_c_waits_for_running_jobs_however_long(tmp_path: Path) -> None:
+    # A worker whose jobs take 22 s to finish once asked to stop: longer than any grace period given to the others.
+    worker = (
+        "trap 'kill $job; sleep 22; echo done > $0/jobs-finished; exit 0' INT TERM; echo $$ >> $0/pids; "
+        "sleep 600 >/dev/null 2>&1 & job=$!; wait"  # not on up's stderr, which the test reads to its end
+    )
+    up = fake_up(tmp_path, "exec sleep 600", worker, "echo $$ >> $0/pids; exec sleep 600")
+    _wait_for_pids(tmp_path, up, 3)
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=60) == 0
+    assert (tmp_path / "jobs-finished").read_text() == "done\n"
+    assert up.stderr is not None and "waiting for running jobs to finish" in up.stderr.read()
+
+
+def test_up_stops_and_says_so_when_its_redis_dies(tmp_path: Path) -> None:
+    up = fake_up(tmp_path, "sleep 2; exit 3", "exec sleep 600", "exec sleep 600")
+    assert up.wait(timeout=30) == 1
+    assert up.stderr is not None and "chatq: redis exited with status 3; stopping" in up.stderr.read()
 
 
 def _running(pid: str) -> bool:
