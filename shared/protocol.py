@@ -137,7 +137,7 @@ class Message(BaseModel):
         return data
 
     def text(self) -> str | None:
-        """Content as one string: text parts are joined, other part types are refused."""
+        """Content as one string: text parts are joined, a line apart; other part types are refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content
         texts = []
@@ -150,7 +150,7 @@ class Message(BaseModel):
             if not isinstance(part.get(key), str):
                 raise RequestError(f"A {kind} content part needs its `{key}` as a string.", "messages")
             texts.append(part[key])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them for a template that takes content as one string
 
 
 class StreamOptions(BaseModel):

@@ -18,6 +18,7 @@ class TokenInfo:
     token: str
     logprob: float
     top: list[tuple[str, float]]
+    offset: int = 0  # where its text begins in the choice's text (legacy text_offset)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -61,18 +62,14 @@ def chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     }
 
 
-def text_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, with each token's character offset in the text."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.token)
     return {
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
         "top_logprobs": [{t.token: t.logprob, **dict(t.top)} for t in tokens],
-        "text_offset": offsets,
+        "text_offset": [t.offset for t in tokens],
     }
 
 
@@ -109,7 +106,7 @@ class ChatChunks:
     def delta(self, index: int, delta: Delta) -> dict[str, Any]:
         return delta_json(delta)
 
-    def logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+    def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return chat_logprobs(tokens)
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -191,8 +188,8 @@ class TextChunks(ChatChunks):
         }
         return {**self.base, "choices": [choice]}
 
-    def logprobs(self, tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
-        return text_logprobs(tokens, offset)
+    def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
+        return text_logprobs(tokens)
 
     def final_choice(
         self,

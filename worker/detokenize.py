@@ -34,39 +34,38 @@ class TextStream:
         include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
-        context = list(prompt_ids[-PROMPT_CONTEXT:]) or None
-        self.decoder = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self.decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # Stepped through, not passed as DecodeStream(ids=...): given a prompt that ends inside a character, that
+        # returns the whole context, prompt text included, once the first generated token completes it.
+        for t in prompt_ids[-PROMPT_CONTEXT:]:
+            self.decoder.step(tokenizer, t)
         self.stops = stops
         self.include_stop = include_stop
         self.held = ""
-        # While min_tokens holds stops off: the end of the text sent, where a stop string found later may begin.
-        self.sent_tail = ""
-        self.tail_len = max((len(s) for s in stops), default=1) - 1
+        self.decoded = 0  # characters of text decoded so far, held back or not
 
     def add(self, token: int, check_stops: bool = True) -> Piece:
+        """The token's text that can be sent now. While min_tokens holds stop strings off (`check_stops` false)
+        none is matched, but text that may become one is still held back, as vLLM does: one that begins there and
+        completes once they count then ends the text where it begins."""
         new = self.decoder.step(self.tokenizer, token) or ""
+        self.decoded += len(new)
         if not self.stops:
             return Piece(new)
-        if not check_stops:
-            sent = self.sent_tail + new
-            self.sent_tail = sent[max(len(sent) - self.tail_len, 0) :]
-            return Piece(new)
-        # A stop string may straddle what was held back (or sent before stops counted) and the new text.
-        before, self.sent_tail = self.sent_tail, ""
-        text = before + self.held + new
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            i = text.find(stop, max(len(before) - len(stop) + 1, 0))  # only a stop that reaches past `before`
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            i, stop = best
-            end = i + len(stop) if self.include_stop else i
-            self.held = ""
-            return Piece(text[len(before) : max(end, len(before))], stop)
-        pending = text[len(before) :]
-        keep = self._partial_stop_len(pending)
-        out, self.held = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        text = self.held + new
+        if check_stops:
+            best: tuple[int, str] | None = None
+            for stop in self.stops:
+                # Only a stop string that ends in the new text: one within what was held before is not one.
+                i = text.find(stop, max(len(self.held) - len(stop) + 1, 0))
+                if i >= 0 and (best is None or i < best[0]):
+                    best = (i, stop)
+            if best is not None:
+                i, stop = best
+                self.held = ""
+                return Piece(text[: i + len(stop) if self.include_stop else i], stop)
+        keep = self._partial_stop_len(text)
+        out, self.held = text[: len(text) - keep], text[len(text) - keep :]
         return Piece(out)
 
     def flush(self) -> str:

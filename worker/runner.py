@@ -43,7 +43,6 @@ class Choice:
     message: Message = field(default_factory=Message)
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
-    sent_chars: int = 0  # characters streamed so far (legacy text_offset)
     reasoning_tokens: int = 0
     grammar: Grammar | None = None  # constrains the output once the reasoning ends
     finish_reason: str | None = None
@@ -60,8 +59,8 @@ class Decoder:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def info(self, token_id: int, logprob, top) -> TokenInfo:
-        return TokenInfo(self.token(token_id), logprob, [(self.token(t), lp) for t, lp in top])
+    def info(self, token_id: int, logprob, top, offset: int) -> TokenInfo:
+        return TokenInfo(self.token(token_id), logprob, [(self.token(t), lp) for t, lp in top], offset)
 
 
 class JobRun:
@@ -177,7 +176,6 @@ class JobRun:
             if self.echo:
                 echo = Delta(content=self.echo)
                 c.message.add(echo)
-                c.sent_chars += len(self.echo)
                 events.append(
                     self._event(EventKind.chunk, self.chunks.chunk(c.index, self.chunks.delta(c.index, echo)))
                 )
@@ -190,11 +188,18 @@ class JobRun:
         delta = Delta()
         stop_now = False
         seq = out.seq
-        # The token that ended the sequence (EOS, a stop token id) is not part of the text.
-        ended_by_token = out.finish is Finish.stop and out.token in seq.params.stop_token_ids
+        # The token that ended the sequence (EOS, a stop token id) is not part of the text, unless the request asks
+        # for its stops in the output (a special token such as EOS still shows only with skip_special_tokens off).
+        req = self.job.request
+        ended_by_token = (
+            out.finish is Finish.stop and out.token in seq.params.stop_token_ids and not req.include_stop_str_in_output
+        )
         if out.token is not None and not ended_by_token:
             if out.logprob is not None and not self.hide_logprobs:
-                choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top))
+                # Where the token's text begins: after the echo and all text decoded so far, held back or not.
+                offset = len(self.echo) + choice.text.decoded
+                lp = self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset)
+                choice.unsent_logprobs.append(lp)
             # min_tokens holds off stop strings as well as stop tokens.
             piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
             thinking = _thinking(choice.parser)
@@ -215,7 +220,9 @@ class JobRun:
         elif out.finish is not None and choice.finish_reason is None:
             choice.finish_reason = out.finish.value
             last = seq.output_ids[-1] if seq.output_ids else None
-            if out.finish is Finish.stop and last not in self.eos_ids and last in seq.params.stop_token_ids:
+            # A requested stop token id is named, even one that is also EOS when EOS is ignored (as vLLM names it).
+            requested = last in seq.params.stop_token_ids and (req.ignore_eos or last not in self.eos_ids)
+            if out.finish is Finish.stop and requested:
                 choice.stop_reason = last
         ending = choice.finish_reason in ("stop", "length")
         if ending:
@@ -238,7 +245,6 @@ class JobRun:
                     ),
                 )
             )
-            choice.sent_chars += len(delta.content)
         if ending:
             events.append(
                 self._event(
@@ -255,7 +261,7 @@ class JobRun:
             return None
         tokens, choice.unsent_logprobs = choice.unsent_logprobs, []
         choice.logprobs.extend(tokens)
-        return self.chunks.logprobs(tokens, choice.sent_chars)
+        return self.chunks.logprobs(tokens)
 
     def end(self) -> tuple[list[Event], JobEnd]:
         """The job's closing events and final record, once every choice finished."""
@@ -286,7 +292,7 @@ class JobRun:
                 content = content or ""  # vLLM's shape when the calls are the answer: empty rather than null
             logprobs = None
             if c.seq.params.logprobs is not None and not self.hide_logprobs:
-                logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs, len(self.echo))
+                logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs)
             final.append(
                 self.chunks.final_choice(
                     c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason

@@ -109,7 +109,7 @@ def test_text_and_refusal_parts_join_into_the_message_text():
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
         ]
     )
-    assert [m.text() for m in req.messages] == ["ab", "no"]
+    assert [m.text() for m in req.messages] == ["a\nb", "no"]
     for part in ({"type": "text", "text": 5}, {"type": "refusal"}, {"type": "input_audio", "input_audio": {}}):
         with pytest.raises(RequestError):
             ChatCompletionRequest(messages=[{"role": "user", "content": [part]}]).messages[0].text()

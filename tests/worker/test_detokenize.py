@@ -63,12 +63,13 @@ def test_include_stop_keeps_the_stop_string(tok):
 
 
 def test_a_stop_string_begun_before_min_tokens_ends_the_text_where_it_completes(tok):
-    # "Hello wor" is sent while min_tokens holds stops off; "o world" completes once they count, as vLLM finds it.
+    # "Hello wor" comes while min_tokens holds stops off, and "o world" completes once they count: the text ends
+    # before it, as vLLM ends it, and no part of it was sent meanwhile.
     stream = TextStream(tok, ["o world"])
     ids = [tok.token_to_id(t) for t in ["Hello", "Ġwor", "ld", "!"]]
     pieces = [stream.add(ids[0], check_stops=False).text, stream.add(ids[1], check_stops=False).text]
     last = stream.add(ids[2])
-    assert pieces == ["Hello", " wor"] and (last.text, last.stop) == ("", "o world")
+    assert pieces == ["Hell", ""] and (last.text, last.stop) == ("", "o world")
     # A stop wholly inside the text sent before stops counted is not one.
     early = TextStream(tok, ["lo"])
     assert early.add(ids[0], check_stops=False).text == "Hello" and early.add(ids[1]).stop is None
@@ -85,3 +86,13 @@ def test_the_first_word_keeps_its_space_after_the_prompt():
     assert sp.decode([4, 5]) == "Paris."  # on its own, the space is gone
     stream = TextStream(sp, [], prompt_ids=[1, 2, 3])
     assert stream.add(4).text + stream.add(5).text == " Paris."
+
+
+def test_a_prompt_that_ends_inside_a_character_leaves_only_the_rest_of_it_to_the_output(tok):
+    # As a client continuing a text cut inside an emoji sends it: the prompt's last token holds part of its bytes.
+    ids = tok.encode("Smile 😀 please", add_special_tokens=False).ids
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i]))
+    stream = TextStream(tok, [], prompt_ids=ids[:cut])
+    text = "".join(stream.add(t).text for t in ids[cut:])
+    # The unfinished character comes whole, with the space its first token began with; no earlier prompt text.
+    assert tok.decode(ids[:cut]) == "Smile \ufffd" and text == " 😀 please"

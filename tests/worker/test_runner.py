@@ -425,3 +425,56 @@ def test_a_cancel_takes_effect_at_the_next_step(decoder, settings, r, threaded):
     # more token at most. Threaded, up to three more, which the engine made while that write was queued or under way.
     assert tokens() - at_cancel <= (4 if threaded else 1)
     assert r.hget(keys.job(j.id), "status") == "cancelled" and not r.sismember(keys.cancels(WORKER), j.id)
+
+
+def feed_all(run: JobRun, token_ids: list[int], last_finish: Finish, logprobs: bool = False) -> tuple[list, dict]:
+    """Runs the tokens through the job's first choice, the last one ending it; the events and the final object."""
+    events = run.start()
+    c = run.choices[0]
+    for i, t in enumerate(token_ids):
+        c.seq.output_ids.append(t)
+        lp = TokenLogprob(-1.0, []) if logprobs else None
+        events += run.on_output(c, Output(c.seq, t, last_finish if i == len(token_ids) - 1 else None, lp))[0]
+    closing, end = run.end()
+    return events + closing, end.result
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [("Hello world", ["o x"]), ("I 😀 日本 ok", []), ("Caf\u00e9 naïve 😀😀 end", ["😀 e"])],
+)
+def test_legacy_text_offsets_are_where_each_token_begins_streamed_or_not(decoder, text, stop):
+    offsets = {}
+    for stream in (False, True):
+        request = CompletionRequest(prompt="x", logprobs=0, stream=stream, stop=stop)
+        run = JobRun(
+            Job(id="cmpl-t", model="m", request=request, prompt_ids=[1]), decoder, [2], 100, settings=Settings()
+        )
+        events, result = feed_all(run, ids(decoder, text), Finish.length, logprobs=True)
+        if stream:
+            chunks = [e.data["choices"][0] for e in events if e.event is EventKind.chunk and e.data["choices"]]
+            offsets[stream] = [o for c in chunks if c.get("logprobs") for o in c["logprobs"]["text_offset"]]
+        else:
+            offsets[stream] = result["choices"][0]["logprobs"]["text_offset"]
+            final_text = result["choices"][0]["text"]
+    assert offsets[True] == offsets[False] == sorted(offsets[False])
+    assert len(offsets[False]) == len(ids(decoder, text)) and offsets[False][-1] < len(text)
+    assert final_text == text.split(stop[0])[0] if stop and stop[0] in text else final_text == text
+
+
+def test_a_stop_token_shows_in_the_text_when_stops_are_asked_for_and_is_named(decoder):
+    period = ids(decoder, ".")[0]
+    tokens = [*ids(decoder, "Hi there"), period]
+    run = JobRun(job(stop_token_ids=[period], include_stop_str_in_output=True), decoder, [2], 200, settings=Settings())
+    _, result = feed_all(run, tokens, Finish.stop)
+    choice = result["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (
+        "Hi there.",
+        "stop",
+        period,
+    )
+    # EOS asked for as a stop token while EOS itself is ignored: it is the request's stop, and named.
+    run = JobRun(job(stop_token_ids=[2], ignore_eos=True), decoder, [2], 200, settings=Settings())
+    _, result = feed_all(run, [*ids(decoder, "Hi there"), 2], Finish.stop)
+    choice = result["choices"][0]
+    assert (choice["message"]["content"], choice["stop_reason"]) == ("Hi there", 2)
