@@ -28,7 +28,8 @@ def _python(*args: str) -> list[str]:
 def _celery(*args: str) -> list[str]:
     # The console script, not `python -m celery`: on SIGHUP a worker restarts itself by running its argv again, and
     # celery/__main__.py run as a file cannot import its own package.
-    return [str(Path(sys.executable).parent / "celery"), *args]
+    script = Path(sys.executable).parent / "celery"
+    return [str(script), *args] if script.exists() else _python("-m", "celery", *args)
 
 
 def worker_command(settings: Settings) -> list[str]:
