@@ -22,6 +22,7 @@ def test_compose_runs_redis_worker_api_and_flower():
         assert services[name]["environment"]["CHATQ_REDIS_URL"] == "redis://redis:6379/0"
     assert services["api"]["ports"] == ["8000:8000"] and services["flower"]["ports"] == ["5555:5555"]
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert services["worker"]["stop_grace_period"] == "10m"  # running jobs finish before the worker stops
 
 
 def test_cli_knows_every_command_compose_uses(capsys):
