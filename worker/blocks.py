@@ -59,7 +59,9 @@ class BlockManager:
         return True
 
     def release(self, seq: HoldsBlocks) -> None:
-        for block in seq.blocks:
+        # Last block first into the idle list, which gives out its oldest first: a cached prefix is found from its
+        # first block on, so its first block must be the last of it to go.
+        for block in reversed(seq.blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self.hash_of:
@@ -84,7 +86,6 @@ class BlockManager:
             seq.blocks.append(block)
             seq.block_hashes.append(h)
         seq.num_cached = len(seq.blocks) * bs
-        self.hits += seq.num_cached
 
     def register(self, seq: HoldsBlocks) -> None:
         """After a forward pass: make the sequence's newly completed full prompt blocks shareable."""

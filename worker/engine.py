@@ -13,6 +13,7 @@ prompt is computed once.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -62,6 +63,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival
 
 
 @dataclass
@@ -249,7 +254,7 @@ class Engine:
             if n == 0:
                 continue
             while not self.blocks.grow(seq, seq.num_cached + n):
-                victim = self.running[-1]
+                victim = self.running[-1]  # the least urgent, of those not scheduled yet in this step
                 self._preempt(victim)
                 preempted.add(victim.id)
                 if victim is seq:
@@ -274,8 +279,11 @@ class Engine:
                 self.blocks.release(seq)  # hand back shared blocks it took; it tries again next step
                 break
             heapq.heappop(self.waiting)
+            self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
             self.blocks.grow(seq, seq.num_cached + n)
-            self.running.append(seq)
+            # In (priority, arrival) order: steps schedule from the front, and a pool running short preempts from
+            # the back, so the most urgent run first and the least urgent, newest one gives way first.
+            bisect.insort(self.running, seq, key=_rank)
             prefills.append((seq, n))
             budget -= n
         return decodes + prefills

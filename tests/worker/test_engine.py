@@ -108,10 +108,39 @@ def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model
         most_running = max(most_running, len(engine.running))
     assert most_running < len(prompts)
     assert any(n > 0 for n in preempted_after)
+    # Only the shared first block is ever reused, once per admission: not again at every step a sequence waited.
+    assert 0 < engine.blocks.hits <= 16 * (len(prompts) + len(preempted_after))
     # A preempted sequence goes back to its place in the queue, not behind later arrivals: first come, first done.
     assert list(done) == [str(i) for i in range(len(prompts))]
     assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
     assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+def test_the_least_urgent_sequence_gives_way_when_the_cache_runs_short(model, prompts):
+    # 9 blocks; three sequences of 20 + 60 tokens need 15. An urgent one joins after two others started.
+    engine = Engine(model, kv_tokens=144, block_size=16, prefill_chunk=64, max_model_len=128)
+    preempted: list[str] = []
+    preempt = engine._preempt
+
+    def recording_preempt(seq: Sequence) -> None:
+        preempted.append(seq.id)
+        preempt(seq)
+
+    engine._preempt = recording_preempt  # type: ignore[method-assign]
+
+    def seq(name: str, i: int, priority: int) -> Sequence:
+        return Sequence(name, prompts[i][-20:], SamplingParams(max_tokens=60, temperature=0), priority=priority)
+
+    engine.add(seq("low1", 0, 5))
+    engine.add(seq("low2", 1, 5))
+    engine.step()
+    engine.add(seq("urgent", 2, -4))
+    finished: list[str] = []
+    while engine.has_work():
+        finished += [out.seq.id for out in engine.step() if out.finish]
+    assert preempted and "urgent" not in preempted
+    assert finished.index("urgent") < finished.index("low2")
     assert engine.blocks.available() == engine.blocks.num_blocks
 
 
