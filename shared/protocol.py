@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared import regex_dialect
 
 
-def _check_schema(schema: Any, param: str) -> None:
+def _check_schema(schema: Any, param: str, constrains: bool = True) -> None:
     """A JSON schema must be valid JSON Schema that the worker's grammar engine can compile, so a bad one is a 400
-    here and never a failed job."""
+    here and never a failed job; one that will constrain the output (`constrains`) must also use only what the
+    grammar engine enforces."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
@@ -25,7 +26,7 @@ def _check_schema(schema: Any, param: str) -> None:
         raise RequestError("A JSON schema must be an object.", param)
     try:
         Draft202012Validator.check_schema(schema)
-        found = _schema_problem(schema, schema)
+        found = _schema_problem(schema, schema, constrains)
     except SchemaError as e:
         raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
     except RecursionError as e:
@@ -42,11 +43,42 @@ _BOUNDS = (
 )
 
 
-def _schema_problem(node: Any, root: dict[str, Any]) -> str | None:
-    """What in a schema valid as JSON Schema the grammar engine still cannot compile: a regex outside its dialect,
-    a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies. jsonschema checks none of these."""
-    if isinstance(node, list):
-        return next((p for p in (_schema_problem(x, root) for x in node) if p), None)
+# Keywords xgrammar compiles without enforcing them (it logs a warning and then allows what they forbid): an answer
+# would come back "stop" and not match its schema. Refused, as nothing else here can hold an answer to them.
+_UNENFORCED = (
+    "not",
+    "if",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+# Where a schema holds schemas: name -> schema maps, lists of schemas, single schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+
+
+def _subschemas(node: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out += node[key].values()
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out += node[key]
+    out += [node[key] for key in _SCHEMA_ONE if key in node]
+    return out
+
+
+def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) -> str | None:
+    """What in a schema valid as JSON Schema the grammar engine cannot compile or would not enforce: a regex outside
+    its dialect, a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies, a keyword it ignores.
+    jsonschema checks none of these. Walked schema by schema, so a property named like a keyword is just a name."""
     if not isinstance(node, dict):
         return None
     patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
@@ -68,7 +100,12 @@ def _schema_problem(node: Any, root: dict[str, Any]) -> str | None:
         a, b = node.get(low), node.get(high)
         if isinstance(a, int | float) and isinstance(b, int | float) and a > b:
             return f"{low} ({a}) is greater than {high} ({b})"
-    return next((p for p in (_schema_problem(v, root) for v in node.values()) if p), None)
+    unenforced = [k for k in _UNENFORCED if k in node and not (k == "uniqueItems" and node[k] is False)]
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        unenforced.append("allOf with more than one schema")
+    if unenforced and constrains:
+        return f"the grammar engine cannot enforce {', '.join(unenforced)}"
+    return next((p for p in (_schema_problem(v, root, constrains) for v in _subschemas(node)) if p), None)
 
 
 def _resolve(ref: str, root: dict[str, Any]) -> Any:
@@ -118,6 +155,16 @@ class RequestError(ValueError):
         self.param = param
 
 
+# Content part type -> the key holding its text.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -143,8 +190,9 @@ class Message(BaseModel):
         texts = []
         for part in self.content:
             kind = part.get("type")
-            # A refusal part is an earlier assistant turn's text, as vLLM reads it.
-            key = {"text": "text", "refusal": "refusal"}.get(kind)  # type: ignore[arg-type]
+            # The part types vLLM reads as text: the Responses API's input and output text, an earlier assistant
+            # turn's refusal and thinking.
+            key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
             if key is None:
                 raise RequestError(f"Content part type {kind!r} is not supported", "messages")
             if not isinstance(part.get(key), str):
@@ -481,8 +529,12 @@ class ChatCompletionRequest(GenerationRequest):
             name = self.tool_choice.function.get("name")
             if name not in {t.function.name for t in self.tools or []}:
                 raise RequestError(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+        forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
         for i, tool in enumerate(self.tools or []):
-            _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+            # Only `required` and a named tool put a tool's parameters under a grammar; offered under `auto`, a
+            # schema the grammar engine would not enforce is the model's and the client's business, as in vLLM.
+            constrains = self.tool_choice == "required" or tool.function.name == forced
+            _check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
 
     def _check_structured(self) -> None:
         fmt = self.response_format

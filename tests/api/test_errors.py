@@ -113,6 +113,13 @@ UNCOMPILABLE_SCHEMAS = [
     {"type": "integer", "minimum": 5, "maximum": 1},
     {"type": "array", "minItems": 3, "maxItems": 2},
     {"type": "string", "minLength": 3, "maxLength": 2},
+    # Compiled, but not enforced: the grammar would let through what these forbid.
+    {"type": "object", "allOf": [{"required": ["a"]}, {"required": ["b"]}]},
+    {"type": "array", "uniqueItems": True},
+    {"type": "object", "properties": {"n": {"not": {"const": 3}}}},
+    {"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}},
+    {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    {"type": "object", "dependentRequired": {"a": ["b"]}},
 ]
 
 

@@ -105,11 +105,40 @@ def test_stream_options_that_ask_for_nothing_pass_without_stream():
 def test_text_and_refusal_parts_join_into_the_message_text():
     req = ChatCompletionRequest(
         messages=[
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]},
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "hm"}, {"type": "output_text", "text": "c"}],
+            },
         ]
     )
-    assert [m.text() for m in req.messages] == ["a\nb", "no"]
+    assert [m.text() for m in req.messages] == ["a\nb", "no", "hm\nc"]
     for part in ({"type": "text", "text": 5}, {"type": "refusal"}, {"type": "input_audio", "input_audio": {}}):
         with pytest.raises(RequestError):
             ChatCompletionRequest(messages=[{"role": "user", "content": [part]}]).messages[0].text()
+
+
+def test_a_property_named_like_a_schema_keyword_is_just_a_name():
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "string"}, "contains": {"type": "string"}, "enum": {"type": "string"}},
+        "allOf": [{"required": ["not"]}],
+    }
+    request = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}
+    request["response_format"]["json_schema"] = {"name": "x", "schema": schema}
+    ChatCompletionRequest(**request).check()
+
+
+def test_a_tool_schema_needs_to_be_enforceable_only_where_a_grammar_holds_it():
+    tools = [
+        {"type": "function", "function": {"name": "tag", "parameters": {"type": "array", "uniqueItems": True}}},
+        {"type": "function", "function": {"name": "plain", "parameters": {"type": "object"}}},
+    ]
+    messages = [{"role": "user", "content": "hi"}]
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "plain"}}):
+        ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice).check()
+    for choice in ("required", {"type": "function", "function": {"name": "tag"}}):
+        with pytest.raises(RequestError, match="cannot enforce uniqueItems") as e:
+            ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice).check()
+        assert e.value.param == "tools.0.function.parameters"
