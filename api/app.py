@@ -342,6 +342,8 @@ def create_app(settings: Settings) -> FastAPI:
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_special_tokens=bool(body.add_special_tokens),
+                tools=body.tools,
+                documents=body.documents,
             )
             chat.check()
             ids = model.renderer.render(chat).ids

@@ -618,6 +618,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
+    tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
