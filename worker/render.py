@@ -65,7 +65,12 @@ class Renderer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template = env.from_string(template)
+        # Some models ship several named templates ([{"name": "default", ...}, {"name": "tool_use", ...}]);
+        # transformers and vLLM use `tool_use` for a request with tools, when there is one, and `default` otherwise.
+        named = {t["name"]: t["template"] for t in template} if isinstance(template, list) else {"default": template}
+        if "default" not in named:
+            raise RuntimeError(f"{model_dir} names chat templates but none `default`: {sorted(named)}")
+        self.templates = {name: env.from_string(source) for name, source in named.items()}
 
     @cached_property
     def eos_token_ids(self) -> list[int]:
@@ -109,7 +114,8 @@ class Renderer:
         # What the request gives the template wins over what chatq would, as in vLLM.
         context.update(kwargs)
         try:
-            text = self.template.render(messages=messages, **context)
+            template = self.templates.get("tool_use" if tools else "default", self.templates["default"])
+            text = template.render(messages=messages, **context)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
         if request.continue_final_message:

@@ -112,3 +112,19 @@ def test_chat_template_kwargs_win_over_what_chatq_passes(renderer):
     assert renderer.render(req(chat_template_kwargs={"add_generation_prompt": False})).text == "<user>Hi</user>\n"
     with pytest.raises(TemplateError):
         renderer.render(req(chat_template_kwargs={"messages": []}))
+
+
+def test_a_model_with_named_templates_uses_tool_use_for_requests_with_tools(tmp_path):
+    model_dir = Settings().model_dir
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}PLAIN {{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{% for m in messages %}TOOLS {{ m.content }}{% endfor %}"},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    renderer = Renderer(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert renderer.render(req(messages=messages)).text == "PLAIN hi"
+    assert renderer.render(req(messages=messages, tools=tools)).text == "TOOLS hi"
