@@ -40,6 +40,25 @@ class GrammarError(ValueError):
     """The schema, regex, grammar or tool choice cannot be compiled; the message is fit for a 400."""
 
 
+def _opened(node: Any) -> Any:
+    """The schema with arrays and objects that ask for a least size, and list no items or properties, opened to any
+    items or properties. In strict mode xgrammar closes them, and then refuses to compile `{"type": "array",
+    "minItems": 1}` (no items may be added) though it writes `[1]` for `{"type": "array"}`."""
+    if isinstance(node, list):
+        return [_opened(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _opened(v) for k, v in node.items()}
+    declared = out.get("type")
+    types: list[Any] = declared if isinstance(declared, list) else [declared]
+    if "array" in types and out.get("minItems") and "items" not in out and "prefixItems" not in out:
+        out["items"] = True
+    bare = not any(k in out for k in ("properties", "patternProperties", "additionalProperties"))
+    if "object" in types and out.get("minProperties") and bare:
+        out["additionalProperties"] = True
+    return out
+
+
 class GrammarCompiler:
     """Compiles request grammars against one model's tokenizer. Compiling takes milliseconds (xgrammar precomputes
     masks), so do it when a request arrives, not inside the engine step; results are cached by source text, and the
@@ -78,7 +97,7 @@ class GrammarCompiler:
             # Not sort_keys: property order is the order the grammar makes the model write them in. Compact layout
             # (", " and ": ", no newlines): with free whitespace SmolLM2 spent up to half its tokens on newlines and
             # sampled rows drifted through whitespace without finishing; a fixed layout cannot loop there.
-            text = json.dumps(schema)
+            text = json.dumps(_opened(schema) if strict else schema)
             return self._compiler.compile_json_schema(text, strict_mode=strict, any_whitespace=False)
 
         return _compile("JSON schema", build)

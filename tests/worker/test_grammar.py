@@ -186,6 +186,23 @@ def test_strict_closes_objects(compiler: GrammarCompiler, tokenizer: Tokenizer) 
         assert all(state.accept(t) for t in ids(tokenizer, extra)) is ok
 
 
+@pytest.mark.parametrize(
+    ("schema", "good", "short"),
+    [
+        ({"type": "array", "minItems": 1}, "[1, 2]", "[]"),
+        ({"type": "object", "minProperties": 1}, '{"a": 1}', "{}"),
+    ],
+)
+def test_strict_mode_takes_a_least_size_on_items_or_properties_it_does_not_list(
+    compiler: GrammarCompiler, tokenizer: Tokenizer, schema: dict, good: str, short: str
+) -> None:
+    # Ordinary tool parameters ("at least one tag"), which xgrammar's strict mode alone refused to compile.
+    state = GrammarState(compiler.json_schema(schema, strict=True))
+    assert all(state.accept(t) for t in ids(tokenizer, good))
+    empty = GrammarState(compiler.json_schema(schema, strict=True))
+    assert not all(empty.accept(t) for t in ids(tokenizer, short))
+
+
 def test_special_tokens_are_not_text(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
     state = GrammarState(compiler.json_object())
     for t in ids(tokenizer, '{"a": "'):
