@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,38 @@ def _subschemas(node: dict[str, Any]) -> list[Any]:
     return out
 
 
+def _range_problem(node: dict[str, Any]) -> str | None:
+    """Numeric bounds the grammar engine refuses: an integer's that are not whole or beyond 64 bits, and a range
+    (exclusive ends included) that holds no value."""
+    bounds = {k: node[k] for k in _NUMERIC if isinstance(node.get(k), int | float) and not isinstance(node[k], bool)}
+    if not bounds:
+        return None
+    declared = node.get("type")
+    types: list[Any] = declared if isinstance(declared, list) else [declared]
+    integer = "integer" in types and "number" not in types
+    if integer:
+        for key, value in bounds.items():
+            if not math.isfinite(value) or value != int(value):
+                return f"an integer's {key} must be a whole number, not {value}"
+            if not -(2**63) <= value < 2**63:
+                return f"an integer's {key} ({value}) is beyond 64 bits"
+    lows = [(bounds[k], k.startswith("exclusive")) for k in ("minimum", "exclusiveMinimum") if k in bounds]
+    highs = [(bounds[k], k.startswith("exclusive")) for k in ("maximum", "exclusiveMaximum") if k in bounds]
+    if not lows or not highs:
+        return None
+    a, a_open = max(lows)  # the stricter of equal bounds is the exclusive one
+    b, b_open = min(highs, key=lambda h: (h[0], not h[1]))
+    if integer:
+        a, b = (a + 1 if a_open else a), (b - 1 if b_open else b)
+        empty = a > b
+    else:
+        empty = a > b or (a == b and (a_open or b_open))
+    return "the bounds leave no value" if empty else None
+
+
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) -> str | None:
     """What in a schema valid as JSON Schema the grammar engine cannot compile or would not enforce: a regex outside
     its dialect, a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies, a keyword it ignores.
@@ -100,6 +133,8 @@ def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) ->
         a, b = node.get(low), node.get(high)
         if isinstance(a, int | float) and isinstance(b, int | float) and a > b:
             return f"{low} ({a}) is greater than {high} ({b})"
+    if found := _range_problem(node):
+        return found
     unenforced = [k for k in _UNENFORCED if k in node and not (k == "uniqueItems" and node[k] is False)]
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         unenforced.append("allOf with more than one schema")

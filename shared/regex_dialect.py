@@ -62,12 +62,14 @@ def problem(pattern: str) -> str | None:
 
 
 def _text_problem(pattern: str) -> str | None:
-    """What Python's parser leaves no trace of: comments, `{,n}` (read as `{0,n}`), named characters, and a class
-    opening with `]`."""
+    """What Python's parser leaves no trace of: comments, `{,n}` (read as `{0,n}`), named characters, octal escapes
+    (xgrammar reads `\\101` as a backreference), and a class opening with `]`."""
     i, n = 0, len(pattern)
     while i < n:
         if pattern.startswith("\\N{", i):
             return "named characters (\\N{...})"
+        if re.match(r"\\(0[0-7]|[1-9])", pattern[i:]):  # a backreference to Python is refused before this
+            return "octal escapes (\\0nn, \\nnn)"
         if pattern[i] == "\\":
             i += 2
         elif pattern[i] == "[":
@@ -78,6 +80,8 @@ def _text_problem(pattern: str) -> str | None:
             while i < n and pattern[i] != "]":
                 if pattern.startswith("\\N{", i):
                     return "named characters (\\N{...})"
+                if re.match(r"\\(0[0-7]|[1-9])", pattern[i:]):
+                    return "octal escapes (\\0nn, \\nnn)"
                 i += 2 if pattern[i] == "\\" else 1
             i += 1
         elif pattern.startswith("(?#", i):

@@ -113,6 +113,11 @@ UNCOMPILABLE_SCHEMAS = [
     {"type": "integer", "minimum": 5, "maximum": 1},
     {"type": "array", "minItems": 3, "maxItems": 2},
     {"type": "string", "minLength": 3, "maxLength": 2},
+    {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 6},
+    {"type": "number", "minimum": 5, "exclusiveMaximum": 5},
+    {"type": "integer", "minimum": 1.5, "maximum": 3},
+    {"type": "integer", "maximum": -1e20},
+    {"type": "string", "pattern": "\\101"},
     # Compiled, but not enforced: the grammar would let through what these forbid.
     {"type": "object", "allOf": [{"required": ["a"]}, {"required": ["b"]}]},
     {"type": "array", "uniqueItems": True},

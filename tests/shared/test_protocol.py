@@ -142,3 +142,15 @@ def test_a_tool_schema_needs_to_be_enforceable_only_where_a_grammar_holds_it():
         with pytest.raises(RequestError, match="cannot enforce uniqueItems") as e:
             ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice).check()
         assert e.value.param == "tools.0.function.parameters"
+
+
+def test_schema_bounds_that_hold_a_value_pass():
+    messages = [{"role": "user", "content": "hi"}]
+    for schema in (
+        {"type": "integer", "minimum": 1.0, "maximum": 3.0},
+        {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 7},
+        {"type": "number", "minimum": 5, "maximum": 5},
+        {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 5.5},
+        {"type": ["integer", "number"], "minimum": 1.5, "maximum": 1.7},
+    ):
+        ChatCompletionRequest(messages=messages, structured_outputs={"json": schema}).check()

@@ -408,7 +408,7 @@ def test_model_follows_regex_and_choice(
     "pattern",
     [r"\d{3}-\d{4}", r"(?:ab)+c*?", r"^(yes|no)$", r"(?<=a)b", r"x(?!y)", r"(a)\1", r"(a)?(?(1)b|c)", r"\bword"]
     + [r"(?P<year>\d+)", r"(?i)yes", r"(?i:yes)", r"a++", r"(?>a)", r"[^\W\d]+", r"a{,3}", r"a{0,3}", r"(?#c)ab"]
-    + [r"(?u)a", r"\N{DIGIT ONE}", r"[{,]x", r"[]a]+"],
+    + [r"(?u)a", r"\N{DIGIT ONE}", r"[{,]x", r"[]a]+", r"\101"],
 )
 def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(pattern):
     req = ChatCompletionRequest.model_validate(
@@ -425,6 +425,18 @@ def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(p
     except RuntimeError:
         compiles = False
     assert refused != compiles
+
+
+def test_octal_escapes_are_refused_because_the_grammar_engine_reads_them_otherwise():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    for pattern in (r"\012", r"[\012]"):  # a newline to Python
+        assert not accepts(xgr.Grammar.from_regex(pattern), "\n")
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": pattern}}
+        )
+        with pytest.raises(RequestError, match="octal escapes"):
+            req.check()
 
 
 def test_string_anchors_are_refused_because_the_grammar_engine_reads_them_as_letters():
