@@ -607,7 +607,8 @@ class ChatCompletionRequest(GenerationRequest):
                 raise RequestError("structured_outputs.grammar must not be empty.", "structured_outputs")
             if isinstance(so.json_, str):
                 try:
-                    schema = json.loads(so.json_)
+                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
+                    schema = orjson.loads(so.json_)
                 except ValueError as e:
                     raise RequestError(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
                 _check_schema(schema, "structured_outputs")

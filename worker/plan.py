@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import orjson
 
 from shared.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from shared.settings import Settings
@@ -76,7 +77,7 @@ def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Gramma
         if so is None:
             return None
         if so.json_ is not None:
-            schema = json.loads(so.json_) if isinstance(so.json_, str) else so.json_
+            schema = orjson.loads(so.json_) if isinstance(so.json_, str) else so.json_  # as the API read it
             return compiler.json_schema(schema)
         if so.regex is not None:
             return compiler.regex(so.regex)
@@ -84,7 +85,7 @@ def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Gramma
             return compiler.choice(so.choice)
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
-    except (GrammarError, json.JSONDecodeError) as e:
+    except (GrammarError, orjson.JSONDecodeError) as e:
         raise RequestError(str(e), param) from e
     return None
 

@@ -154,3 +154,10 @@ def test_schema_bounds_that_hold_a_value_pass():
         {"type": ["integer", "number"], "minimum": 1.5, "maximum": 1.7},
     ):
         ChatCompletionRequest(messages=messages, structured_outputs={"json": schema}).check()
+
+
+def test_a_schema_given_as_text_is_read_as_strictly_as_a_body():
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match="not valid JSON") as e:
+        ChatCompletionRequest(messages=messages, structured_outputs={"json": '{"maximum": 1e400}'}).check()
+    assert e.value.param == "structured_outputs"
