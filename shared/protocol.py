@@ -127,6 +127,8 @@ def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) ->
     ref = node.get("$ref")
     if isinstance(ref, str) and _resolve(ref, root) is None:
         return f"$ref {ref!r} points to nothing in the schema (only local references, #/..., are followed)"
+    if isinstance(ref, str) and _ref_loop(node, root):
+        return f"$ref {ref!r} leads through references back to itself without reaching a schema"
     if node.get("enum") == []:
         return "an empty enum allows no value"
     for low, high in _BOUNDS:
@@ -141,6 +143,18 @@ def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) ->
     if unenforced and constrains:
         return f"the grammar engine cannot enforce {', '.join(unenforced)}"
     return next((p for p in (_schema_problem(v, root, constrains) for v in _subschemas(node)) if p), None)
+
+
+def _ref_loop(node: dict[str, Any], root: dict[str, Any]) -> bool:
+    """Whether following `$ref` from this node comes back to a node already passed: a schema that is only
+    references to itself (`{"$ref": "#"}`), which describes no value."""
+    seen: list[int] = []
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        if id(node) in seen:
+            return True
+        seen.append(id(node))
+        node = _resolve(node["$ref"], root)
+    return False
 
 
 def _resolve(ref: str, root: dict[str, Any]) -> Any:

@@ -113,6 +113,8 @@ UNCOMPILABLE_SCHEMAS = [
     {"type": "integer", "minimum": 5, "maximum": 1},
     {"type": "array", "minItems": 3, "maxItems": 2},
     {"type": "string", "minLength": 3, "maxLength": 2},
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
     {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 6},
     {"type": "number", "minimum": 5, "exclusiveMaximum": 5},
     {"type": "integer", "minimum": 1.5, "maximum": 3},

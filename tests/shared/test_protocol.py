@@ -161,3 +161,8 @@ def test_a_schema_given_as_text_is_read_as_strictly_as_a_body():
     with pytest.raises(RequestError, match="not valid JSON") as e:
         ChatCompletionRequest(messages=messages, structured_outputs={"json": '{"maximum": 1e400}'}).check()
     assert e.value.param == "structured_outputs"
+
+
+def test_a_schema_that_refers_to_itself_through_content_passes():
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}}}
+    ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs={"json": tree}).check()
