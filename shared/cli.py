@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -230,6 +231,12 @@ def job(settings: Settings, action: str, job_id: str) -> int:
     return 0 if r.status_code == 200 else 1
 
 
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """CHATQ_ variables that name no setting: a misspelt CHATQ_REDIS_URI would otherwise start a private Redis."""
+    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields} | {"CHATQ_API_URL"}
+    return sorted(name for name in environ if name.upper().startswith("CHATQ_") and name.upper() not in known)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chatq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p_job.add_argument("action", choices=["get", "cancel"])
     p_job.add_argument("id")
     args = parser.parse_args(argv)
+    for name in unknown_variables(os.environ):
+        print(f"chatq: warning: {name} is not a chatq setting (misspelt?); it is ignored", file=sys.stderr)
     try:
         settings = Settings()
     except pydantic.ValidationError as e:

@@ -183,3 +183,19 @@ def _running(pid: str) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_misspelt_setting_is_named_not_silently_ignored() -> None:
+    from shared.cli import unknown_variables
+
+    environ = {"CHATQ_REDIS_URI": "redis://x", "CHATQ_REDIS_URL": "", "CHATQ_API_URL": "http://x", "HOME": "/"}
+    assert unknown_variables(environ) == ["CHATQ_REDIS_URI"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATQ_")} | {
+        "CHATQ_API_PROT": "1",
+        "CHATQ_API_URL": "http://127.0.0.1:1",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "job", "get", "x"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert "chatq: warning: CHATQ_API_PROT is not a chatq setting" in run.stderr
+    assert "cannot reach the API at http://127.0.0.1:1" in run.stderr and "Traceback" not in run.stderr
