@@ -1,4 +1,5 @@
-"""The embedded Redis that `chatq up` starts outlives a terminal's Ctrl-C until chatq itself stops it."""
+"""The embedded Redis that `chatq up` starts outlives a terminal's Ctrl-C until chatq itself stops it, and does not
+outlive chatq."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import redis
 
-# Starts an EmbeddedRedis, prints its port and pid, and waits: the Ctrl-C below interrupts it before it can stop Redis.
-# Python only turns SIGINT into KeyboardInterrupt if its parent did not ignore the signal, as a shell does for the
-# commands it starts in the background (a CI job's test run may be one): the child takes Ctrl-C as a terminal would.
+# Starts an EmbeddedRedis, prints its port and pid, and waits, through a Ctrl-C too, as `chatq up` stops its other
+# services before Redis. Python only turns SIGINT into KeyboardInterrupt if its parent did not ignore the signal, as
+# a shell does for the commands it starts in the background (a CI job's test run may be one): the child takes Ctrl-C
+# as a terminal would.
 CHILD = textwrap.dedent(
     """
     import signal, sys, time
@@ -22,12 +25,23 @@ CHILD = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     server = EmbeddedRedis(Path(sys.argv[1]), persist=False).start()
     print(server.port, server.proc.pid, flush=True)
-    time.sleep(60)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        time.sleep(60)
     """
 )
 
 
-def test_ctrl_c_to_the_foreground_group_leaves_redis_running(tmp_path):
+def _alive(pid: int) -> bool:
+    try:  # a process killed but not yet reaped by whoever inherited it is a zombie: not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_redis_takes_no_ctrl_c_of_its_own_and_ends_with_whoever_started_it(tmp_path):
     # The child leads a process group of its own, as a shell's foreground job does; a terminal's Ctrl-C is a SIGINT
     # to every process of that group.
     child = subprocess.Popen(
@@ -37,10 +51,19 @@ def test_ctrl_c_to_the_foreground_group_leaves_redis_running(tmp_path):
         start_new_session=True,
         cwd=Path(__file__).resolve().parents[2],
     )
+    assert child.stdout is not None
     port, pid = map(int, child.stdout.readline().split())
     try:
         os.killpg(child.pid, signal.SIGINT)
+        assert child.stdout.readline().strip() == "interrupted"
+        assert redis.Redis(port=port).ping()  # still serving while its starter stops the rest
+        # Its starter killed outright, before it could stop Redis: Redis does not live on holding its data dir.
+        child.kill()
         child.wait(timeout=10)
-        assert redis.Redis(port=port).ping()
+        deadline = time.time() + 10
+        while _alive(pid):
+            assert time.time() < deadline, "redis-server outlived the process that started it"
+            time.sleep(0.05)
     finally:
-        os.kill(pid, signal.SIGTERM)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
