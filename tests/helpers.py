@@ -28,6 +28,14 @@ from worker.parse import Delta, Message, Parser
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def alive(pid: int | str) -> bool:
+    """Whether the process runs: one killed but not yet reaped by whoever inherited it is a zombie, not alive."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _env(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

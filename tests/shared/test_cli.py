@@ -15,6 +15,7 @@ import pytest
 
 from shared.embedded_redis import free_port
 from shared.settings import Settings
+from tests.helpers import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +156,7 @@ def test_a_second_ctrl_c_stops_everything_at_once(tmp_path: Path) -> None:
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=10) == 0
     assert (tmp_path / "redis-stopped").read_text() == "yes"
-    assert not [pid for pid in pids if _running(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 def test_the_first_ctrl_c_waits_for_running_jobs_however_long(tmp_path: Path) -> None:
@@ -176,13 +177,6 @@ def test_up_stops_and_says_so_when_its_redis_dies(tmp_path: Path) -> None:
     up = fake_up(tmp_path, "sleep 2; exit 3", "exec sleep 600", "exec sleep 600")
     assert up.wait(timeout=30) == 1
     assert up.stderr is not None and "chatq: redis exited with status 3; stopping" in up.stderr.read()
-
-
-def _running(pid: str) -> bool:
-    try:  # a process killed but not yet reaped by whoever inherited it is a zombie: not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_misspelt_setting_is_named_not_silently_ignored() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import redis
 
+from tests.helpers import alive
+
 # Starts an EmbeddedRedis, prints its port and pid, and waits, through a Ctrl-C too, as `chatq up` stops its other
 # services before Redis. Python only turns SIGINT into KeyboardInterrupt if its parent did not ignore the signal, as
 # a shell does for the commands it starts in the background (a CI job's test run may be one): the child takes Ctrl-C
@@ -32,13 +34,6 @@ CHILD = textwrap.dedent(
         time.sleep(60)
     """
 )
-
-
-def _alive(pid: int) -> bool:
-    try:  # a process killed but not yet reaped by whoever inherited it is a zombie: not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_redis_takes_no_ctrl_c_of_its_own_and_ends_with_whoever_started_it(tmp_path):
@@ -61,9 +56,9 @@ def test_redis_takes_no_ctrl_c_of_its_own_and_ends_with_whoever_started_it(tmp_p
         child.kill()
         child.wait(timeout=10)
         deadline = time.time() + 10
-        while _alive(pid):
+        while alive(pid):
             assert time.time() < deadline, "redis-server outlived the process that started it"
             time.sleep(0.05)
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
