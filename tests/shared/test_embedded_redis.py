@@ -26,8 +26,9 @@ CHILD = textwrap.dedent(
     from shared.embedded_redis import EmbeddedRedis
     signal.signal(signal.SIGINT, signal.default_int_handler)
     server = EmbeddedRedis(Path(sys.argv[1]), persist=False).start()
-    print(server.port, server.proc.pid, flush=True)
     try:
+        # Inside the try: the Ctrl-C may land before the print statement itself has returned.
+        print(server.port, server.proc.pid, flush=True)
         time.sleep(60)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
