@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -28,6 +29,9 @@ from shared import keys
 from shared.protocol import Event, EventKind, error_body
 
 log = logging.getLogger(__name__)
+
+# Seconds between two warnings of the same outage.
+WARN_INTERVAL = 10.0
 
 # Put in every inbox when the shared connection broke: what was published meanwhile must be read from the log.
 RESYNC = ""
@@ -117,13 +121,17 @@ class Subscriber:
         return reader, writer
 
     async def _run(self) -> None:
+        warned_at = -WARN_INTERVAL
         while self._wanted:
             try:
                 reader, writer = await self._connect()
             except (OSError, hiredis.ReplyError) as e:
-                log.warning("pub/sub connection failed (%s); retrying", e)
+                if (now := time.monotonic()) - warned_at >= WARN_INTERVAL:
+                    warned_at = now
+                    log.warning("pub/sub connection failed (%s); retrying every 0.5 s", e)
                 await asyncio.sleep(0.5)
                 continue
+            warned_at = -WARN_INTERVAL
             self._confirms = {c: deque([confirmed]) for c, confirmed in self._wanted.items()}
             for channel in self._wanted:
                 writer.write(_command("SUBSCRIBE", channel))
@@ -164,6 +172,8 @@ class Relay:
         self.redis = client
         self._channels: dict[str, Channel] = {}
         self._subscriber = Subscriber(url, self._deliver)
+        # During an outage every open stream retries its log read: one warning per interval says so for all of them.
+        self._warned_at = -WARN_INTERVAL
 
     def _deliver(self, channel: str, message: str) -> None:
         ch = self._channels.get(channel)
@@ -225,7 +235,9 @@ class Relay:
                 entries, exists = await pipe.execute(raise_on_error=False)
                 break
             except (aioredis.ConnectionError, aioredis.TimeoutError) as e:
-                log.warning("reading the log of %s failed (%s); trying again in %.1f s", job_id, e, delay)
+                if (now := time.monotonic()) - self._warned_at >= WARN_INTERVAL:
+                    self._warned_at = now
+                    log.warning("reading job logs failed (%s); their streams wait and try again", e)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
         if isinstance(exists, Exception):

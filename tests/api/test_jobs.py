@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from api.jobs import JobStore
 from shared import keys
-from shared.protocol import ChatCompletionRequest, Job
+from shared.protocol import ChatCompletionRequest, Job, JobStatus
 from shared.queue import celery_priority, make_celery, task_message
 from shared.settings import Settings
 from tests.helpers import cancel_job, content_of, frames, stream, wait_for
@@ -293,3 +293,26 @@ def test_a_job_whose_record_the_worker_cannot_read_fails_instead_of_hanging(stac
     assert [e["event"] for e in events] == ["error", "done"]
     assert "cannot read the job's record" in events[0]["data"]["error"]["message"]
     assert r.ttl(keys.job(job.id)) > 0 and r.zscore(keys.waiting(model_name), job.id) is None
+
+
+def test_a_log_entry_the_relay_cannot_read_ends_the_stream_with_an_error_and_leaves_the_job_alone(
+    http: httpx.Client, r: redis.Redis, model_name: str
+):
+    # A running job whose log holds an entry no version of chatq wrote: the relay fails on it.
+    job = Job(
+        id=f"chatcmpl-garbled-{uuid.uuid4().hex}",
+        model=model_name,
+        request=ChatCompletionRequest(messages=LONG),
+        status=JobStatus.in_progress,
+    )
+    r.hset(keys.job(job.id), mapping=job.to_redis())
+    r.xadd(keys.events(job.id), {"msg": "not an event"}, id="0-1")
+    try:
+        fs = stream(http, "GET", f"/v1/chat/completions/{job.id}", params={"stream": "true"})
+        # The stream ends, not hangs, and says why; numbered as the last event relayed, for resuming.
+        assert [f.id for f in fs] == [0, 0] and fs[-1].data == "[DONE]"
+        error = fs[0].json["error"]
+        assert error["code"] == 500 and "resume the stream" in error["message"]
+        assert r.hget(keys.job(job.id), "status") == "in_progress"
+    finally:
+        r.delete(keys.job(job.id), keys.events(job.id))

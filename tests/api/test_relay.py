@@ -4,6 +4,7 @@ happened to the pub/sub connection or to when the stream started."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -12,7 +13,7 @@ import redis.asyncio as aioredis
 
 from api.relay import Relay
 from shared import keys
-from shared.embedded_redis import EmbeddedRedis
+from shared.embedded_redis import EmbeddedRedis, free_port
 from shared.jobs import PUBLISH_EVENTS
 from shared.protocol import Event, EventKind
 from shared.settings import Settings
@@ -258,3 +259,28 @@ def test_a_stream_waits_through_a_redis_restart(tmp_path) -> None:
         assert asyncio.run(main()) == [1, 2, 3, 4]
     finally:
         servers[0].stop()
+
+
+@pytest.mark.timeout(30)
+def test_streams_waiting_out_an_outage_warn_once_between_them(
+    settings: Settings, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    jobs = [f"chatcmpl-relay-outage-{i}" for i in range(5)]
+    for job in jobs:
+        record(r, job)
+
+    async def main() -> None:
+        # Pub/sub reaches Redis, the log reads do not: every stream retries its read.
+        unreachable = aioredis.Redis(port=free_port(), retry=None)
+        relay = Relay(unreachable, settings.redis_url)
+        streams = [asyncio.create_task(collect(relay, job)) for job in jobs]
+        await asyncio.sleep(1.5)
+        assert not any(s.done() for s in streams)
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+
+    with caplog.at_level(logging.WARNING, logger="api.relay"):
+        asyncio.run(main())
+    warnings = [rec for rec in caplog.records if "reading job logs failed" in rec.getMessage()]
+    assert len(warnings) == 1
