@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     result_ttl: Positive = 3600
     # Seconds between keep-alive comments on an SSE stream, so proxies keep a quiet stream open (0: none).
     sse_keepalive: Annotated[float, Field(ge=0)] = 15.0
+    # Seconds a keep-alive may wait to be sent before its client, which stopped reading, is dropped (and a job that
+    # ends with its stream cancelled). Only streams with keep-alives notice.
+    sse_send_timeout: Annotated[float, Field(gt=0)] = 60.0
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
     worker_concurrency: Positive = 64
