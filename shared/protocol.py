@@ -236,6 +236,14 @@ class Message(BaseModel):
         """Content as one string: text parts are joined, a line apart; other part types are refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content
+        return "\n".join(self.texts())  # as vLLM joins them for a template that takes content as one string
+
+    def texts(self) -> list[str]:
+        """Content as its text parts; other part types are refused."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [self.content]
         texts = []
         for part in self.content:
             kind = part.get("type")
@@ -247,7 +255,7 @@ class Message(BaseModel):
             if not isinstance(part.get(key), str):
                 raise RequestError(f"A {kind} content part needs its `{key}` as a string.", "messages")
             texts.append(part[key])
-        return "\n".join(texts)  # as vLLM joins them for a template that takes content as one string
+        return texts
 
 
 class StreamOptions(BaseModel):

@@ -71,6 +71,7 @@ class Renderer:
         if "default" not in named:
             raise RuntimeError(f"{model_dir} names chat templates but none `default`: {sorted(named)}")
         self.templates = {name: env.from_string(source) for name, source in named.items()}
+        self.content_parts = {name: _loops_over_content(env.parse(source)) for name, source in named.items()}
 
     @cached_property
     def eos_token_ids(self) -> list[int]:
@@ -85,10 +86,17 @@ class Renderer:
         return ids
 
     def render(self, request: ChatCompletionRequest) -> Prompt:
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        name = "tool_use" if tools and "tool_use" in self.templates else "default"
         messages = []
         for i, m in enumerate(request.messages):
             d = m.model_dump(exclude_none=True)
-            d["content"] = m.text() or ""
+            # A template that loops over a message's content gets it as text parts, whether it came as a string or
+            # as parts; any other gets one string (vLLM's "openai" and "string" content formats).
+            if self.content_parts[name]:
+                d["content"] = [{"type": "text", "text": t} for t in m.texts()]
+            else:
+                d["content"] = m.text() or ""
             if "reasoning" in d:  # templates read either name (Qwen3's: reasoning_content); vLLM passes both
                 d["reasoning_content"] = d["reasoning"]
             if m.tool_calls:
@@ -97,7 +105,6 @@ class Renderer:
                 ]
             messages.append(d)
         # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         context: dict[str, Any] = {
             **self.special,
             "tools": tools,
@@ -114,14 +121,13 @@ class Renderer:
         # What the request gives the template wins over what chatq would, as in vLLM.
         context.update(kwargs)
         try:
-            template = self.templates.get("tool_use" if tools else "default", self.templates["default"])
-            text = template.render(messages=messages, **context)
+            text = self.templates[name].render(messages=messages, **context)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
         if request.continue_final_message:
             # Cut the rendering right after the final message's text, leaving its turn open to be continued
             # (what transformers' apply_chat_template does).
-            final = messages[-1]["content"]
+            final = request.messages[-1].text() or ""
             final = final if final in text else final.strip()
             if final not in text:
                 raise TemplateError(
@@ -158,3 +164,45 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
             message = "Tool call arguments are nested too deeply to read."
             raise RequestError(message, f"{param}.function.arguments") from e
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _loops_over_content(template: jinja2.nodes.Template) -> bool:
+    """Whether a chat template iterates over a message's content (`{% for part in message['content'] %}`), and so
+    wants it as a list of parts. Written here as vLLM detects it (no library does): follow the names bound to
+    `messages` (assignments, then loop targets over them) to loops over their `content`."""
+
+    def reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
+        # `x`, `x[k]` or `x.k`, through filters, tests and slices (`messages | reverse`, `messages[1:]`)
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)
+        ):
+            if node.node is None:
+                return False
+            node = node.node
+        if key is not None:
+            if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+                attr = node.arg.value
+            elif isinstance(node, jinja2.nodes.Getattr):
+                attr = node.attr
+            else:
+                return False
+            if attr != key:
+                return False
+            node = node.node
+        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+    def bound(names: set[str]) -> set[str]:
+        # every name assigned from one of `names`, transitively
+        found, grew = set(names), True
+        while grew:
+            grew = False
+            for a in template.find_all(jinja2.nodes.Assign):
+                if isinstance(a.target, jinja2.nodes.Name) and a.target.name not in found and reads(a.node, found):
+                    found.add(a.target.name)
+                    grew = True
+        return found
+
+    lists = bound({"messages"})
+    loops = list(template.find_all(jinja2.nodes.For))
+    items = {f.target.name for f in loops if isinstance(f.target, jinja2.nodes.Name) and reads(f.iter, lists)}
+    return any(reads(f.iter, items, "content") for f in loops)

@@ -128,3 +128,43 @@ def test_a_model_with_named_templates_uses_tool_use_for_requests_with_tools(tmp_
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert renderer.render(req(messages=messages)).text == "PLAIN hi"
     assert renderer.render(req(messages=messages, tools=tools)).text == "TOOLS hi"
+
+
+def renderer_of(tmp_path, template: str) -> Renderer:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "tokenizer.json").write_bytes((Settings().model_dir / "tokenizer.json").read_bytes())
+    return Renderer(tmp_path)
+
+
+PARTS = "{% for m in messages %}<{{ m.role }}>{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        PARTS,
+        # the messages reached through a name bound to them, and the content through a filter
+        "{% set ms = messages | list %}{% for m in ms %}<{{ m.role }}>"
+        "{% for p in m.content | list %}[{{ p.text }}]{% endfor %}{% endfor %}",
+    ],
+)
+def test_a_template_that_loops_over_content_gets_text_parts_however_the_content_came(tmp_path, template):
+    renderer = renderer_of(tmp_path, template)
+    parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert renderer.render(req(messages=messages)).text == "<system>[Be brief.]<user>[a][b]"
+
+
+def test_a_template_that_prints_content_gets_one_string(tmp_path):
+    renderer = renderer_of(tmp_path, "{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert renderer.render(req(messages=[{"role": "user", "content": parts}])).text == "<a\nb>"
+    # The default model's template is one of these.
+    assert Renderer(Settings().model_dir).content_parts == {"default": False}
+
+
+def test_a_final_message_given_as_parts_is_continued(tmp_path):
+    renderer = renderer_of(tmp_path, PARTS + "END")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]
+    prompt = renderer.render(req(messages=messages, continue_final_message=True, add_generation_prompt=False))
+    assert prompt.text == "<user>[Hi]<assistant>[Yo"
