@@ -144,24 +144,27 @@ def _catch_up(row: Row, line: torch.Tensor) -> History:
 
 
 def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """min_p, then top_k, then top_p, each on what the one before kept: vLLM's order."""
     dev = scaled.device
     params = [r.params for r in rows]
     vocab = scaled.shape[-1]
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device(dev, [p.min_p for p in params], scaled.dtype)
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if any(0 < p.top_k < vocab for p in params):  # a top_k of the vocabulary's size or more keeps every token
         k = to_device(dev, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         top_p = to_device(dev, [p.top_p for p in params], scaled.dtype)
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        sorted_logits, order = scaled.sort(dim=-1)
+        # Drop the least likely tokens while their mass stays within 1 - top_p, counted from the bottom as vLLM
+        # does: a row at top_p 1 beside others then loses nothing, where float32's running sum from the top
+        # reaches 1 before the tail and would cut it. The most likely token always stays.
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
+        drop[:, -1] = False
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if any(p.min_p > 0 for p in params):
-        min_p = to_device(dev, [p.min_p for p in params], scaled.dtype)
-        probs = scaled.softmax(dim=-1)
-        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return scaled
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import Row, SamplingParams, sample
+from worker.sampler import Row, SamplingParams, _truncate, sample
 
 
 def pick(logits: list[float], output_ids: list[int] | None = None, prompt_ids: list[int] | None = None, **params):
@@ -127,3 +127,28 @@ def test_penalties_follow_a_sequence_step_by_step():
         assert sample(torch.tensor([BASE]), [row])[0][0] == fresh
     # 1 (5.0); then 2, as 5/1.02 - 0.06 < 4.9/1.02; then 1 twice, as 4.90 - 0.06 and then 4.90 - 0.12 beat 4.80 - 0.06.
     assert picks == [1, 2, 1, 1]
+
+
+def test_min_p_cuts_before_top_p_measures():
+    # min_p 0.2 drops the 0.05 token; top_p 0.8 of what is left keeps two tokens. Measured on the whole
+    # distribution, top_p would have kept three.
+    logits = [math.log(p) for p in (0.50, 0.28, 0.17, 0.05)]
+    gen = torch.Generator().manual_seed(0)
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.8, min_p=0.2)
+    seen = {sample(torch.tensor([logits]), [Row(p, gen, [], [])])[0][0] for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_a_row_at_top_p_1_keeps_its_whole_tail_beside_a_row_that_truncates():
+    # A long, flat tail, as a real vocabulary has: float32 sums of it from the top reach 1 before its end.
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50_000) * 3
+    logits[:, :4] += 20
+    gen = torch.Generator().manual_seed(0)
+    rows = [
+        Row(SamplingParams(max_tokens=10, temperature=1.0, top_p=1.0), gen, [], []),
+        Row(SamplingParams(max_tokens=10, temperature=1.0, top_p=0.5), gen, [], []),
+    ]
+    kept = _truncate(logits.clone(), rows).isfinite()
+    assert kept[0].all()
+    assert kept[1].sum() < 4
