@@ -71,7 +71,8 @@ def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Gramma
         if fmt is not None and fmt.type == "json_object":
             return compiler.json_object()
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-            return compiler.json_schema(fmt.json_schema.schema_ or {}, strict=bool(fmt.json_schema.strict))
+            # Held to the schema with or without `strict: true`, as vLLM holds it: no property it does not list.
+            return compiler.json_schema(fmt.json_schema.schema_ or {})
         so = req.structured_outputs
         param = "structured_outputs"
         if so is None:

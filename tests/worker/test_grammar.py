@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from shared.protocol import ChatCompletionRequest, RequestError
 from shared.settings import Settings
 from worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
+from worker.plan import grammar_for
 from worker.render import Renderer
 from worker.sampler import Row, SamplingParams, sample
 
@@ -184,6 +185,21 @@ def test_strict_closes_objects(compiler: GrammarCompiler, tokenizer: Tokenizer) 
         state = GrammarState(compiler.json_schema(schema, strict=strict))
         assert all(state.accept(t) for t in ids(tokenizer, prefix))
         assert all(state.accept(t) for t in ids(tokenizer, extra)) is ok
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+def test_a_response_format_schema_allows_no_property_it_does_not_list(
+    compiler: GrammarCompiler, tokenizer: Tokenizer, strict: bool | None
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+    grammar = grammar_for(
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format=fmt), compiler
+    )
+    assert grammar is not None
+    state = GrammarState(grammar)
+    assert all(state.accept(t) for t in ids(tokenizer, '{"a": 1'))
+    assert not all(state.accept(t) for t in ids(tokenizer, ', "b": 2}'))
 
 
 @pytest.mark.parametrize(
