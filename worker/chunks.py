@@ -27,6 +27,7 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | No
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None,  # as vLLM writes it without prefix-cache accounting: present, null
     }
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
@@ -122,9 +123,7 @@ class ChatChunks:
         finish_reason: str | None,
         stop_reason,
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": content}
-        if reasoning is not None:
-            message["reasoning"] = reasoning
+        message: dict[str, Any] = {"role": self.role, "content": content, "reasoning": reasoning}
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {

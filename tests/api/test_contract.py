@@ -273,3 +273,13 @@ def test_tokenize_detokenize_version(http, renderer):
     assert chat["count"] > 10
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "Hello world"}
     assert http.get("/version").json()["version"]
+
+
+def test_a_non_streamed_answer_has_every_key_of_vllms_shape(http: httpx.Client):
+    # Raw HTTP clients index these keys: a missing one is a KeyError where vLLM gives null.
+    body = http.post("/v1/chat/completions", json={"messages": COUNT, "max_tokens": 2}).json()
+    assert set(body) >= {"id", "object", "created", "model", "choices", "usage", "system_fingerprint"}
+    choice = body["choices"][0]
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason", "stop_reason"}
+    assert set(choice["message"]) == {"role", "content", "reasoning"} and choice["message"]["reasoning"] is None
+    assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}

@@ -188,7 +188,7 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
 
     # Hidden reasoning is still counted, and its tokens do not show through logprobs either.
     events, hidden = run_text(decoder, text, settings, include_reasoning=False, logprobs=True, stream=True)
-    assert "reasoning" not in hidden["choices"][0]["message"] and hidden["choices"][0]["logprobs"] is None
+    assert hidden["choices"][0]["message"]["reasoning"] is None and hidden["choices"][0]["logprobs"] is None
     assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] == reasoning_tokens
     assert all(c["logprobs"] is None for e in events if e.event is EventKind.chunk for c in e.data["choices"])
 
