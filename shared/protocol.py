@@ -656,6 +656,14 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = None
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        # vLLM also takes a batch (a list of strings or of id lists); here one request is one job.
+        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            raise ValueError("A batch of prompts is not supported: send one prompt (text or token ids) per request.")
+        return v
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs

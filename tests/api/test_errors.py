@@ -153,6 +153,14 @@ def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
     assert snapshot(r, model_name) == before
 
 
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]]])
+def test_a_batch_of_prompts_is_refused_as_one(http, r, model_name, prompt):
+    before = snapshot(r, model_name)
+    error = assert_error(http.post("/v1/completions", json={"prompt": prompt}), 400, BAD, "prompt")
+    assert "batch of prompts is not supported" in error["message"]
+    assert snapshot(r, model_name) == before
+
+
 @pytest.mark.parametrize("schema", UNCOMPILABLE_SCHEMAS)
 @pytest.mark.parametrize("where", ["response_format", "structured_outputs", "tools"])
 def test_a_schema_the_grammar_engine_cannot_compile_is_a_400(http, r, model_name, schema, where):
