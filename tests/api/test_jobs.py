@@ -127,9 +127,13 @@ def test_cancel_stops_a_running_job(http: httpx.Client):
     running = wait_for(http, job["id"], lambda j: j["progress"]["completion_tokens"] >= 5)
     assert running["status"] == "in_progress"
     at_cancel = running["progress"]["completion_tokens"]
-    # The answer comes once the worker dropped the job, at its next step.
+    # The answer comes once the worker dropped the job, at its next step; the API waits for that only so long
+    # (CANCEL_WAIT), and a slow, busy machine may take longer over two steps, so then the job is read until it ends.
     cancelled = http.post(f"/v1/chat/completions/{job['id']}/cancel").json()
-    assert cancelled["id"] == job["id"] and cancelled["status"] == "cancelled"
+    assert cancelled["id"] == job["id"] and cancelled["status"] in ("cancelled", "in_progress")
+    if cancelled["status"] == "in_progress":
+        cancelled = wait_for(http, job["id"], lambda j: j["status"] != "in_progress", timeout=60)
+    assert cancelled["status"] == "cancelled"
     # The count read before the cancel may lag by the quarter second between progress writes: a few tokens
     # more, not the remaining 1,900.
     assert cancelled["progress"]["completion_tokens"] - at_cancel <= 10
@@ -147,7 +151,7 @@ def test_a_job_deleted_while_running_stays_deleted_and_its_id_can_be_used_again(
         assert http.request(method, f"/v1/chat/completions/{job['id']}{suffix}").status_code == 404
 
     # The id is taken until the worker stopped the run (at its next step), then free, and the record and log are gone.
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # two steps of the worker's, seconds each on a slow, busy machine
     body = {
         "messages": LONG,
         "max_tokens": 8,
@@ -176,7 +180,9 @@ def test_client_disconnect_cancels_a_streamed_job(http: httpx.Client):
             if len(seen) == 4:
                 break
     job_id = seen[0].json["id"]
-    final = wait_for(http, job_id, lambda j: j["status"] == "cancelled", timeout=10)
+    # The disconnect is noticed at once, but the worker drops the job only at its next steps, which on a slow,
+    # busy machine take seconds each: a generous deadline (met as soon as the job ends), the token bound is the check.
+    final = wait_for(http, job_id, lambda j: j["status"] == "cancelled", timeout=60)
     assert final["progress"]["completion_tokens"] < 100
 
 
@@ -241,8 +247,11 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
             (1, "abort", ""),
         ]
     finally:
+        # Straight to Redis, all at once: the API's cancel answers only once the worker dropped the job (up to
+        # CANCEL_WAIT), and 32 of those one after another, each over two steps of a full batch on a slow machine,
+        # could take minutes of this test's time limit. The holders are waited for below.
         for h in holders:
-            http.post(f"/v1/chat/completions/{h['id']}/cancel")
+            cancel_job(settings, h["id"])
     for j in jobs[:-1]:
         done = wait_for(http, j["id"], lambda j: j["status"] in ("completed", "cancelled", "failed"), timeout=300)
         assert done["status"] == "completed" and done["progress"]["completion_tokens"] == 40

@@ -49,26 +49,34 @@ async def until_subscribed(r: aioredis.Redis, channel: str) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_every_event_once_across_a_broken_pubsub_connection(settings: Settings, r: redis.Redis) -> None:
+def test_every_event_once_across_a_broken_pubsub_connection(tmp_path) -> None:
+    # A Redis of its own: killing every pub/sub connection of the session's Redis would also cut the session
+    # worker's broker connection (Celery's remote-control channel), which then restores its unacknowledged task
+    # messages and reconnects under whatever test comes next.
+    server = EmbeddedRedis(tmp_path, persist=False).start()
     job = "chatcmpl-relay-broken"
-    record(r, job)
+    try:
+        r = redis.Redis(port=server.port)
+        record(r, job)
 
-    async def main() -> list[int]:
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
-        relay = Relay(client, settings.redis_url)
-        stream = asyncio.create_task(collect(relay, job))
-        await until_subscribed(client, keys.live(job))
-        publish(r, job, 1, 2, 3, last=7)
-        await asyncio.sleep(0.1)
-        assert r.client_kill_filter(_type="pubsub") >= 1
-        # The rest, up to `done`, while the relay has no connection (this coroutine does not yield in between): only
-        # the log has them, and no later message reveals the gap.
-        publish(r, job, 4, 5, 6, 7, last=7)
-        seqs = await stream
-        await client.aclose()
-        return seqs
+        async def main() -> list[int]:
+            client = aioredis.Redis.from_url(server.url, decode_responses=True)
+            relay = Relay(client, server.url)
+            stream = asyncio.create_task(collect(relay, job))
+            await until_subscribed(client, keys.live(job))
+            publish(r, job, 1, 2, 3, last=7)
+            await asyncio.sleep(0.1)
+            assert r.client_kill_filter(_type="pubsub") >= 1
+            # The rest, up to `done`, while the relay has no connection (this coroutine does not yield in between):
+            # only the log has them, and no later message reveals the gap.
+            publish(r, job, 4, 5, 6, 7, last=7)
+            seqs = await stream
+            await client.aclose()
+            return seqs
 
-    assert asyncio.run(main()) == list(range(1, 8))
+        assert asyncio.run(main()) == list(range(1, 8))
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(30)

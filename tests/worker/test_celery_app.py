@@ -42,7 +42,13 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
         assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
         request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         run = runner.submit(Job(id="chatcmpl-hanging", model=settings.model_name, request=request, prompt_ids=[1]))
-        time.sleep(0.6)  # the step began and has run past step_timeout
+        # The step began (however long the engine thread took to get to it on a busy machine) and has run past
+        # step_timeout.
+        deadline = time.monotonic() + 30
+        while runner.stepping_since is None:
+            assert time.monotonic() < deadline, "the engine never began the step"
+            time.sleep(0.01)
+        time.sleep(2 * settings.step_timeout)
         stalled = beat(state, settings)
         assert stalled is not None and stalled.startswith("an engine step has been running for")
         assert r.zscore(registry, "hanging") is None
