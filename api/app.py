@@ -66,8 +66,16 @@ class EventStream(EventSourceResponse):
             await send(message)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_end_with_timeout(message: Any) -> None:
+            # sse-starlette sends a stream's end without its timeout, holding the lock the keep-alives take: a client
+            # stuck as its stream ends would hold both for ever.
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await EventSourceResponse._send_with_timeout(self, send, message)
+            else:
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_end_with_timeout)
         except SendTimeoutError:
             log.warning("a client read nothing of its stream for %s s; it is dropped", self.send_timeout)
 

@@ -659,8 +659,11 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        # vLLM also takes a batch (a list of strings or of id lists); here one request is one job.
+        # vLLM also takes a batch (a list of strings or of id lists); here one request is one job. A batch of one
+        # is that prompt (LangChain's OpenAI LLM always sends a list).
         if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            if len(v) == 1:
+                return v[0]
             raise ValueError("A batch of prompts is not supported: send one prompt (text or token ids) per request.")
         return v
 

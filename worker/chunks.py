@@ -27,7 +27,6 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | No
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": None,  # as vLLM writes it without prefix-cache accounting: present, null
     }
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
@@ -135,7 +134,9 @@ class ChatChunks:
         }
 
     def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.final_base, "choices": choices, "usage": usage}
+        # vLLM's whole answer writes every field, this one null without prefix-cache accounting; its stream chunks
+        # leave unset fields out.
+        return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
 
 
 def never_ran(job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:

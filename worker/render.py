@@ -92,8 +92,9 @@ class Renderer:
         for i, m in enumerate(request.messages):
             d = m.model_dump(exclude_none=True)
             # A template that loops over a message's content gets it as text parts, whether it came as a string or
-            # as parts; any other gets one string (vLLM's "openai" and "string" content formats).
-            if self.content_parts[name]:
+            # as parts; any other gets one string (vLLM's "openai" and "string" content formats). A tool's result
+            # is one string either way, as vLLM passes it.
+            if self.content_parts[name] and m.role != "tool":
                 d["content"] = [{"type": "text", "text": t} for t in m.texts()]
             else:
                 d["content"] = m.text() or ""
@@ -127,7 +128,14 @@ class Renderer:
         if request.continue_final_message:
             # Cut the rendering right after the final message's text, leaving its turn open to be continued
             # (what transformers' apply_chat_template does).
-            final = request.messages[-1].text() or ""
+            last = request.messages[-1]
+            if self.content_parts[name] and last.role != "tool":  # continued after its last text part, as there
+                parts = last.texts()
+                if not parts:
+                    raise TemplateError("The final message has no text to continue.", "continue_final_message")
+                final = parts[-1]
+            else:
+                final = last.text() or ""
             final = final if final in text else final.strip()
             if final not in text:
                 raise TemplateError(

@@ -70,9 +70,30 @@ def test_a_slow_reader_is_not_dropped() -> None:
             await forever()
             raise AssertionError
 
-        stream = EventStream(frames(), ping=0.05, ping_message_factory=KeepAlive, send_timeout=0.3)
+        # A send takes 0.1 s, the timeout is 20 times that: a busy machine's pause does not drop this reader.
+        stream = EventStream(frames(), ping=0.05, ping_message_factory=KeepAlive, send_timeout=2)
         await asyncio.wait_for(stream({"type": "http", "method": "GET"}, receive, send), 10)
         return sent
 
     sent = asyncio.run(main())
     assert [s for s in sent if s.startswith(b"data")] == [b"data: %d\n\n" % i for i in range(5)]
+
+
+@pytest.mark.timeout(30)
+def test_a_client_stuck_as_its_stream_ends_is_dropped_too() -> None:
+    async def main() -> None:
+        async def frames() -> AsyncIterator[bytes]:
+            yield b"data: x\n\n"
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await forever()  # the end of the stream cannot be written out any more
+
+        async def receive() -> dict[str, Any]:
+            await forever()
+            raise AssertionError
+
+        stream = EventStream(frames(), ping=0.05, ping_message_factory=KeepAlive, send_timeout=0.3)
+        await asyncio.wait_for(stream({"type": "http", "method": "GET"}, receive, send), 10)
+
+    asyncio.run(main())

@@ -166,3 +166,9 @@ def test_a_schema_given_as_text_is_read_as_strictly_as_a_body():
 def test_a_schema_that_refers_to_itself_through_content_passes():
     tree = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}}}
     ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs={"json": tree}).check()
+
+
+def test_a_batch_of_one_legacy_prompt_is_that_prompt():
+    assert CompletionRequest.model_validate({"prompt": ["Say hi"]}).prompt == "Say hi"
+    assert CompletionRequest.model_validate({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    assert CompletionRequest.model_validate({"prompt": [5]}).prompt == [5]  # one token id, not a batch

@@ -163,8 +163,25 @@ def test_a_template_that_prints_content_gets_one_string(tmp_path):
     assert Renderer(Settings().model_dir).content_parts == {"default": False}
 
 
-def test_a_final_message_given_as_parts_is_continued(tmp_path):
+def test_a_final_message_given_as_parts_is_continued_after_its_last_part(tmp_path):
     renderer = renderer_of(tmp_path, PARTS + "END")
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]
+    parts = [{"type": "text", "text": "Yo"}, {"type": "text", "text": "there"}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
     prompt = renderer.render(req(messages=messages, continue_final_message=True, add_generation_prompt=False))
-    assert prompt.text == "<user>[Hi]<assistant>[Yo"
+    assert prompt.text == "<user>[Hi]<assistant>[Yo][there"
+    with pytest.raises(TemplateError):
+        messages[-1]["content"] = []
+        renderer.render(req(messages=messages, continue_final_message=True, add_generation_prompt=False))
+
+
+def test_a_tool_result_is_one_string_even_for_a_template_that_loops_over_content(tmp_path):
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}TOOL:{{ m.content }}"
+        "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}"
+    )
+    renderer = renderer_of(tmp_path, template)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "tool", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}]},
+    ]
+    assert renderer.render(req(messages=messages)).text == "[Hi]TOOL:4\n2"
