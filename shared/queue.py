@@ -7,12 +7,14 @@ import uuid
 
 import orjson
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
 
 from shared import keys
 from shared.settings import Settings
 
 GENERATE_TASK = "chatq.generate"
 PRIORITY_LANES = 10
+REDIS_TRANSPORT = "shared.broker:RedisTransport"
 
 
 def celery_priority(priority: int) -> int:
@@ -24,10 +26,12 @@ def celery_priority(priority: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
+    # chatq's Redis transport serves redis:// URLs themselves rather than being named as `broker_transport`: Flower
+    # names the broker by its URL's scheme and reads queue lengths only for schemes it knows. Resolved only when a
+    # process connects to the broker (workers, Flower): the API never loads it.
+    TRANSPORT_ALIASES.update(redis=REDIS_TRANSPORT, rediss=REDIS_TRANSPORT)
     app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
-        # Resolved only when a process connects to the broker (workers, Flower): the API never loads it.
-        broker_transport="shared.broker:RedisTransport",
         # Job state lives in chatq's own job record; Celery's results would only duplicate it.
         task_ignore_result=True,
         result_backend=None,

@@ -20,7 +20,12 @@ def test_compose_runs_redis_worker_api_and_flower():
         command = services[name]["command"]
         assert command[:2] == ["chatq", name]
         assert services[name]["environment"]["CHATQ_REDIS_URL"] == "redis://redis:6379/0"
-    assert services["api"]["ports"] == ["8000:8000"] and services["flower"]["ports"] == ["5555:5555"]
+    assert services["api"]["ports"] == ["8000:8000"] and services["flower"]["ports"] == ["127.0.0.1:5555:5555"]
+    assert all(s["restart"] == "unless-stopped" for s in services.values())  # a crash or a reboot brings it back
+    # Healthy once it answers by itself: the API's /health also wants a worker, which a GPU worker is not while
+    # it loads, and redis-cli exits 0 on an error reply.
+    assert "/version" in " ".join(services["api"]["healthcheck"]["test"])
+    assert "PONG" in " ".join(services["redis"]["healthcheck"]["test"])
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert services["worker"]["stop_grace_period"] == "10m"  # running jobs finish before the worker stops
 

@@ -62,7 +62,12 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another process (a second worker on this host) converted it first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

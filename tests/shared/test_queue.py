@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
 import pytest
 import redis
+from flower.utils.broker import Broker
 
+from shared import keys
+from shared.broker import RedisTransport
 from shared.queue import GENERATE_TASK, make_celery, task_message
 from shared.settings import Settings
 
@@ -38,3 +42,19 @@ def test_matches_send_task(settings: Settings, r: redis.Redis, lane: int) -> Non
     assert _shape(ours) == _shape(sent)
     assert _shape(ours)["body"][0] == ["job-1"]
     assert json.loads(ours)["headers"]["argsrepr"] == "['job-1']"
+
+
+def test_flower_reads_the_length_of_a_models_queue(settings: Settings, r: redis.Redis) -> None:
+    # As Flower's broker page builds its view of the broker: from the app's connection URI and transport options.
+    app = make_celery(settings.model_copy(update={"model_name": "test-flower-queue"}))
+    queue = keys.celery_queue("test-flower-queue")
+    with app.connection() as conn:
+        assert isinstance(conn.transport, RedisTransport)  # the workers' transport, under redis:// itself
+        uri = conn.as_uri(include_password=True)
+    broker = Broker(uri, broker_options=app.conf.broker_transport_options)
+    lane_queue, message = task_message(app, "chatcmpl-flower", queue, 6)
+    r.lpush(lane_queue, message)
+    try:
+        assert asyncio.run(broker.queues([queue])) == [{"name": queue, "messages": 1}]
+    finally:
+        r.delete(lane_queue)
