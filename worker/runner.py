@@ -245,7 +245,9 @@ class JobRun:
                     ),
                 )
             )
-        if ending:
+        # A cancelled choice ends its stream with `abort` too, as one cancelled while queued does (and vLLM ends an
+        # aborted one): a stream reader learns what a poller of the job sees.
+        if ending or choice.finish_reason == "abort":
             events.append(
                 self._event(
                     EventKind.chunk,

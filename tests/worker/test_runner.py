@@ -425,6 +425,12 @@ def test_a_cancel_takes_effect_at_the_next_step(decoder, settings, r, threaded):
     # more token at most. Threaded, up to three more, which the engine made while that write was queued or under way.
     assert tokens() - at_cancel <= (4 if threaded else 1)
     assert r.hget(keys.job(j.id), "status") == "cancelled" and not r.sismember(keys.cancels(WORKER), j.id)
+    # The stream ends as the job did: a finish chunk with `abort`, then `done`.
+    *_, finish, done = (json.loads(f["msg"]) for _, f in r.xrange(keys.events(j.id)))
+    assert finish["data"]["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort", "stop_reason": None}
+    ]
+    assert done["event"] == "done"
 
 
 def feed_all(run: JobRun, token_ids: list[int], last_finish: Finish, logprobs: bool = False) -> tuple[list, dict]:
