@@ -42,6 +42,7 @@ _BOUNDS = (
     ("minItems", "maxItems"),
     ("minProperties", "maxProperties"),
 )
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 # Keywords xgrammar compiles without enforcing them (it logs a warning and then allows what they forbid): an answer
@@ -103,9 +104,6 @@ def _range_problem(node: dict[str, Any]) -> str | None:
     else:
         empty = a > b or (a == b and (a_open or b_open))
     return "the bounds leave no value" if empty else None
-
-
-_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) -> str | None:

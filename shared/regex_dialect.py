@@ -61,15 +61,26 @@ def problem(pattern: str) -> str | None:
     return _text_problem(pattern)
 
 
+# Python has refused backreferences before these are looked for: what is left of `\\nnn` is an octal escape.
+_OCTAL = re.compile(r"\\(0[0-7]|[1-9])")
+
+
+def _escape_problem(pattern: str, i: int) -> str | None:
+    """An escape at `i` that Python's parser reads otherwise than xgrammar, in a class or out of one."""
+    if pattern.startswith("\\N{", i):
+        return "named characters (\\N{...})"
+    if _OCTAL.match(pattern, i):
+        return "octal escapes (\\0nn, \\nnn)"
+    return None
+
+
 def _text_problem(pattern: str) -> str | None:
     """What Python's parser leaves no trace of: comments, `{,n}` (read as `{0,n}`), named characters, octal escapes
     (xgrammar reads `\\101` as a backreference), and a class opening with `]`."""
     i, n = 0, len(pattern)
     while i < n:
-        if pattern.startswith("\\N{", i):
-            return "named characters (\\N{...})"
-        if re.match(r"\\(0[0-7]|[1-9])", pattern[i:]):  # a backreference to Python is refused before this
-            return "octal escapes (\\0nn, \\nnn)"
+        if found := _escape_problem(pattern, i):
+            return found
         if pattern[i] == "\\":
             i += 2
         elif pattern[i] == "[":
@@ -78,10 +89,8 @@ def _text_problem(pattern: str) -> str | None:
             if pattern.startswith("]", i):  # a member to Python, an error to xgrammar; `\]` is a member to both
                 return "an unescaped ] first in a class"
             while i < n and pattern[i] != "]":
-                if pattern.startswith("\\N{", i):
-                    return "named characters (\\N{...})"
-                if re.match(r"\\(0[0-7]|[1-9])", pattern[i:]):
-                    return "octal escapes (\\0nn, \\nnn)"
+                if found := _escape_problem(pattern, i):
+                    return found
                 i += 2 if pattern[i] == "\\" else 1
             i += 1
         elif pattern.startswith("(?#", i):
