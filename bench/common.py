@@ -19,9 +19,9 @@ from typing import IO, Any
 
 import httpx
 
-from shared.cli import api_command, worker_command
-from shared.embedded_redis import EmbeddedRedis, free_port
-from shared.settings import Settings
+from chatq.cli import api_command, worker_command
+from chatq.core.settings import Settings
+from chatq.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where bench/zero_worker.py keeps its engine-loop counters.
@@ -84,13 +84,13 @@ class Services:
     """Embedded Redis, one Celery worker and one API as subprocesses configured by CHATQ_* variables.
 
     A context manager: everything started is stopped on exit. `worker_app` swaps the Celery app module of the worker
-    (the zero-cost test double of bench/zero_worker.py); the command line is otherwise `shared.cli.worker_command`'s.
+    (the zero-cost test double of bench/zero_worker.py); the command line is otherwise `chatq.cli.worker_command`'s.
     """
 
     def __init__(
         self,
         worker_concurrency: int,
-        worker_app: str = "worker.celery_app",
+        worker_app: str = "chatq.worker.celery_app",
         device: str = "auto",
         keep_logs: bool = False,
         extra_env: dict[str, str] | None = None,
@@ -131,7 +131,7 @@ class Services:
                 PYTHONUNBUFFERED="1",
             )
             env.update(self.extra_env)
-            worker = [self.worker_app if a == "worker.celery_app" else a for a in worker_command(self.settings)]
+            worker = [self.worker_app if a == "chatq.worker.celery_app" else a for a in worker_command(self.settings)]
             self.procs.append(Proc("worker", worker, env, self.tmp))
             self.procs.append(Proc("api", api_command(self.settings), env, self.tmp))
             wait_healthy(f"{self.base_url}/health", self.procs)

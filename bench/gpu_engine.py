@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.engine import Engine, Sequence  # noqa: E402
-from worker.forward import KVCache  # noqa: E402
-from worker.sampler import SamplingParams  # noqa: E402
+from chatq.worker.engine import Engine, Sequence  # noqa: E402
+from chatq.worker.forward import KVCache  # noqa: E402
+from chatq.worker.sampler import SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -142,7 +142,7 @@ def check_attention_bf16() -> dict[str, float] | str:
     head shapes of both models (Triton's interpreter cannot run bf16 dots, so the tests check float16 on CPU)."""
     if DEV != "cuda":
         return "cuda only"
-    from worker import attention
+    from chatq.worker import attention
 
     out = {}
     for heads, kv_heads, head_dim in ((14, 2, 64), (32, 8, 128)):

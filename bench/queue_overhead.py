@@ -60,8 +60,8 @@ from bench.common import (  # noqa: E402
     table,
     write_json,
 )
-from shared import keys  # noqa: E402
-from shared.queue import celery_priority, make_celery  # noqa: E402
+from chatq.core import keys  # noqa: E402
+from chatq.core.queue import celery_priority, make_celery  # noqa: E402
 
 LATENCY_P50, LATENCY_P99, CHUNKS_PER_S = 0.005, 0.025, 20_000
 

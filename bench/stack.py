@@ -49,8 +49,8 @@ from bench.common import (  # noqa: E402
     wait_healthy,
     write_json,
 )
-from shared.embedded_redis import free_port  # noqa: E402
-from shared.settings import Settings  # noqa: E402
+from chatq.core.settings import Settings  # noqa: E402
+from chatq.embedded_redis import free_port  # noqa: E402
 
 TOPICS = [
     "a dragon who learns to paint",

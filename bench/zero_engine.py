@@ -1,6 +1,6 @@
-"""An engine that costs nothing: the surface of worker.engine.Engine (add / step / cancel / has_work / wakeup) with
-no model behind it. A test double, never a product mode: bench/zero_worker.py runs the queue benchmark's worker on it,
-and the runner's tests drive the engine loop with it.
+"""An engine that costs nothing: the surface of chatq.worker.engine.Engine (add / step / cancel / has_work /
+wakeup) with no model behind it. A test double, never a product mode: bench/zero_worker.py runs the queue
+benchmark's worker on it, and the runner's tests drive the engine loop with it.
 
 Each step emits one fixed token for every running sequence and ends a sequence at its max_tokens; a cancel ends it
 at the next step.
@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from worker.engine import Engine, Finish, Output, Sequence
+from chatq.worker.engine import Engine, Finish, Output, Sequence
 
 
 class ZeroEngine(Engine):

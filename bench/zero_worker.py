@@ -25,12 +25,12 @@ from celery import signals
 
 from bench.common import NOOP_TASK, STATS_KEY
 from bench.zero_engine import ZeroEngine
-from shared.settings import Settings
-from worker import celery_app as product
-from worker.engine import Output
-from worker.publish import Publisher, StepWrites
-from worker.render import Renderer
-from worker.runner import Runner
+from chatq.core.render import Renderer
+from chatq.core.settings import Settings
+from chatq.worker import celery_app as product
+from chatq.worker.engine import Output
+from chatq.worker.publish import Publisher, StepWrites
+from chatq.worker.runner import Runner
 
 app = product.app  # what `celery -A bench.zero_worker` looks for
 TOKEN_TEXT = " hello"
@@ -132,7 +132,7 @@ def build_zero_runner(settings: Settings, client: redis.Redis, worker: str, stat
 
 
 if not signals.worker_init.disconnect(product._load):
-    raise RuntimeError("worker.celery_app._load is no longer a worker_init handler: update bench/zero_worker.py")
+    raise RuntimeError("chatq.worker.celery_app._load is no longer a worker_init handler: update bench/zero_worker.py")
 
 
 @signals.worker_init.connect

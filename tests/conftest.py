@@ -11,10 +11,10 @@ import pytest
 import redis
 import torch
 
-from shared.embedded_redis import EmbeddedRedis, free_port
-from shared.settings import Settings
+from chatq.core.render import Renderer
+from chatq.core.settings import Settings
+from chatq.embedded_redis import EmbeddedRedis, free_port
 from tests.helpers import running_stack
-from worker.render import Renderer
 
 # Triton decides when it is first imported whether its kernels compile for a GPU or run in its interpreter; on a
 # machine without one, the interpreter lets the tests run the CUDA kernels on the CPU.

@@ -18,12 +18,13 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from api.jobs import JobStore
-from shared import keys
-from shared.cli import api_command, worker_command
-from shared.queue import make_celery
-from shared.settings import Settings
-from worker.parse import Delta, Message, Parser
+from chatq.api.jobs import JobStore
+from chatq.cli import api_command, worker_command
+from chatq.core import keys
+from chatq.core.delta import Delta
+from chatq.core.queue import make_celery
+from chatq.core.settings import Settings
+from chatq.worker.parse import Message, Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

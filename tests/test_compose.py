@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from shared.cli import main
+from chatq.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from shared import keys
+from chatq.core import keys
 from tests.helpers import stream
 
 COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from shared import keys
+from chatq.core import keys
 from tests.helpers import assert_error, snapshot
 
 OK_MESSAGES = [{"role": "user", "content": "hi"}]

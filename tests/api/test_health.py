@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from shared.embedded_redis import free_port
+from chatq.api.app import create_app
+from chatq.embedded_redis import free_port
 
 
 def test_health_is_503_without_a_live_worker(settings):
@@ -28,5 +28,5 @@ def test_api_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, api.app; sys.exit(int('torch' in sys.modules or 'transformers' in sys.modules))"
+    code = "import sys, chatq.api.app; sys.exit(int('torch' in sys.modules or 'transformers' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -13,11 +13,11 @@ import openai
 import redis
 import redis.asyncio as aioredis
 
-from api.jobs import JobStore
-from shared import keys
-from shared.protocol import ChatCompletionRequest, Job, JobStatus
-from shared.queue import celery_priority, make_celery, task_message
-from shared.settings import Settings
+from chatq.api.jobs import JobStore
+from chatq.core import keys
+from chatq.core.protocol import ChatCompletionRequest, Job, JobStatus
+from chatq.core.queue import celery_priority, make_celery, task_message
+from chatq.core.settings import Settings
 from tests.helpers import cancel_job, content_of, frames, stream, wait_for
 
 LONG = [{"role": "user", "content": "Count from 1 to 200, one number per line."}]

@@ -11,12 +11,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from api.relay import Relay
-from shared import keys
-from shared.embedded_redis import EmbeddedRedis, free_port
-from shared.jobs import PUBLISH_EVENTS
-from shared.protocol import Event, EventKind
-from shared.settings import Settings
+from chatq.api.relay import Relay
+from chatq.core import keys
+from chatq.core.jobs import PUBLISH_EVENTS
+from chatq.core.protocol import Event, EventKind
+from chatq.core.settings import Settings
+from chatq.embedded_redis import EmbeddedRedis, free_port
 
 
 def record(r: redis.Redis, job_id: str) -> None:
@@ -288,7 +288,7 @@ def test_streams_waiting_out_an_outage_warn_once_between_them(
             s.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
 
-    with caplog.at_level(logging.WARNING, logger="api.relay"):
+    with caplog.at_level(logging.WARNING, logger="chatq.api.relay"):
         asyncio.run(main())
     warnings = [rec for rec in caplog.records if "reading job logs failed" in rec.getMessage()]
     assert len(warnings) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from chatq.api.app import create_app
 
 
 def test_tokenize_counts_what_the_template_makes_of_tools_and_documents(settings, tmp_path):

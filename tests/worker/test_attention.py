@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import attention
+from chatq.worker import attention
 
 BLOCK = 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.blocks import BlockManager
+from chatq.worker.blocks import BlockManager
 
 
 @dataclass

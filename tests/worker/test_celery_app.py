@@ -9,12 +9,12 @@ import redis
 from tokenizers import Tokenizer
 
 from bench.zero_engine import ZeroEngine
-from shared import keys
-from shared.protocol import ChatCompletionRequest, Job
-from shared.settings import Settings
-from worker.celery_app import WorkerState, beat
-from worker.publish import Publisher
-from worker.runner import Runner
+from chatq.core import keys
+from chatq.core.protocol import ChatCompletionRequest, Job
+from chatq.core.settings import Settings
+from chatq.worker.celery_app import WorkerState, beat
+from chatq.worker.publish import Publisher
+from chatq.worker.runner import Runner
 
 
 class HangingEngine(ZeroEngine):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from shared.settings import Settings
-from worker.detokenize import TextStream
+from chatq.core.settings import Settings
+from chatq.worker.detokenize import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import inspect
 import pytest
 import torch
 
-from shared.protocol import ChatCompletionRequest
-from shared.settings import Settings
-from worker import sampler
-from worker.engine import Engine, Finish, Sequence
-from worker.grammar import GrammarCompiler, GrammarState
-from worker.model import load_model
-from worker.render import Renderer
-from worker.sampler import SamplingParams
+from chatq.core.protocol import ChatCompletionRequest
+from chatq.core.render import Renderer
+from chatq.core.settings import Settings
+from chatq.worker import sampler
+from chatq.worker.engine import Engine, Finish, Sequence
+from chatq.worker.grammar import GrammarCompiler, GrammarState
+from chatq.worker.model import load_model
+from chatq.worker.sampler import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -331,7 +331,7 @@ def test_a_failed_graph_capture_leaves_the_engine_eager(model, prompts, referenc
     def capture_fails(*_args, **_kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr("worker.engine.DecodeGraphs", capture_fails)
+    monkeypatch.setattr("chatq.worker.engine.DecodeGraphs", capture_fails)
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192, graph_batch=4)
     assert engine.graphs is None
     done = run(engine, [greedy(0, prompts[0])])

@@ -14,12 +14,12 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
 
-from shared.protocol import ChatCompletionRequest, RequestError
-from shared.settings import Settings
-from worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
-from worker.plan import grammar_for
-from worker.render import Renderer
-from worker.sampler import Row, SamplingParams, sample
+from chatq.core.protocol import ChatCompletionRequest, RequestError
+from chatq.core.render import Renderer
+from chatq.core.settings import Settings
+from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
+from chatq.worker.plan import grammar_for
+from chatq.worker.sampler import Row, SamplingParams, sample
 
 MODEL_DIR = Settings().model_dir
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]

@@ -1,4 +1,4 @@
-from worker.graphs import buckets
+from chatq.worker.graphs import buckets
 
 
 def test_buckets_cover_every_batch_size_with_at_most_seven_padding_rows():

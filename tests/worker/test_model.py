@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.model import convert_gguf, shipped_gguf
+from chatq.worker.model import convert_gguf, shipped_gguf
 
 
 def test_a_worker_whose_conversion_another_finished_first_starts_with_that_one(

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from shared.protocol import ChatCompletionRequest, RequestError
-from worker.build import generation_defaults
-from worker.grammar import GrammarError
-from worker.plan import grammar_for, sampling_params
+from chatq.core.protocol import ChatCompletionRequest, RequestError
+from chatq.worker.build import generation_defaults
+from chatq.worker.grammar import GrammarError
+from chatq.worker.plan import grammar_for, sampling_params
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

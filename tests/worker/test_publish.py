@@ -10,12 +10,12 @@ import time
 import pytest
 import redis
 
-from shared import keys
-from shared.embedded_redis import EmbeddedRedis
-from shared.jobs import CLAIM
-from shared.protocol import Event, EventKind, JobStatus
+from chatq.core import keys
+from chatq.core.jobs import CLAIM
+from chatq.core.protocol import Event, EventKind, JobStatus
+from chatq.embedded_redis import EmbeddedRedis
+from chatq.worker.publish import JobEnd, Outbox, Publisher, StepWrites
 from tests.helpers import cancel_job
-from worker.publish import JobEnd, Outbox, Publisher, StepWrites
 
 
 def publisher(settings, worker: str = "w@test", client: redis.Redis | None = None) -> Publisher:

@@ -13,21 +13,21 @@ import redis.asyncio as aioredis
 import torch
 from tokenizers import Tokenizer
 
-from api.errors import JobNotFound
-from api.jobs import JobStore
 from bench.zero_engine import ZeroEngine
-from shared import keys
-from shared.protocol import ChatCompletionRequest, CompletionRequest, EventKind, Job, JobStatus
-from shared.queue import make_celery
-from shared.settings import Settings
+from chatq.api.errors import JobNotFound
+from chatq.api.jobs import JobStore
+from chatq.core import keys
+from chatq.core.delta import Delta
+from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, EventKind, Job, JobStatus
+from chatq.core.queue import make_celery
+from chatq.core.settings import Settings
+from chatq.worker import runner as runner_module
+from chatq.worker.engine import Finish, Output
+from chatq.worker.grammar import GrammarCompiler
+from chatq.worker.publish import Publisher
+from chatq.worker.runner import Decoder, JobRun, Runner
+from chatq.worker.sampler import TokenLogprob
 from tests.helpers import cancel_job
-from worker import runner as runner_module
-from worker.engine import Finish, Output
-from worker.grammar import GrammarCompiler
-from worker.parse import Delta
-from worker.publish import Publisher
-from worker.runner import Decoder, JobRun, Runner
-from worker.sampler import TokenLogprob
 
 WORKER = "runner-test@host"
 

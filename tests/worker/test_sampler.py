@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import Row, SamplingParams, _truncate, sample
+from chatq.worker.sampler import Row, SamplingParams, _truncate, sample
 
 
 def pick(logits: list[float], output_ids: list[int] | None = None, prompt_ids: list[int] | None = None, **params):

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from chatq.core.delta import Delta
+from chatq.worker.parse import Parser
 from tests.helpers import collect, combine
-from worker.parse import Delta, Parser
 
 CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 

@@ -7,12 +7,12 @@ import json
 import orjson
 import pytest
 
+from chatq.worker.parse.common import arguments_json
+from chatq.worker.parse.forced import RequiredToolParser
+from chatq.worker.parse.hermes import HermesParser
+from chatq.worker.parse.llama3_json import Llama3JsonParser
+from chatq.worker.parse.pythonic import PythonicParser
 from tests.helpers import collect
-from worker.parse.common import arguments_json
-from worker.parse.forced import RequiredToolParser
-from worker.parse.hermes import HermesParser
-from worker.parse.llama3_json import Llama3JsonParser
-from worker.parse.pythonic import PythonicParser
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from chatq.worker.parse.forced import NamedToolParser, RequiredToolParser
 from tests.helpers import collect
-from worker.parse.forced import NamedToolParser, RequiredToolParser
 
 
 def chunkings(text: str):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.parse.hermes import HermesParser
+from chatq.worker.parse.hermes import HermesParser
 
 
 def call(name: str, arguments: str) -> str:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.parse.llama3_json import Llama3JsonParser
+from chatq.worker.parse.llama3_json import Llama3JsonParser
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.parse.pythonic import PythonicParser
+from chatq.worker.parse.pythonic import PythonicParser
 
 # (text, content, calls)
 CASES = [

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.parse import ContentParser
-from worker.parse.hermes import HermesParser
-from worker.parse.reasoning import ReasoningParser
+from chatq.worker.parse import ContentParser
+from chatq.worker.parse.hermes import HermesParser
+from chatq.worker.parse.reasoning import ReasoningParser
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 

@@ -6,10 +6,10 @@ from typing import get_args
 import pytest
 from pydantic import ValidationError
 
-from shared.settings import Settings
+from chatq.core.settings import Settings
+from chatq.worker.parse import ContentParser
+from chatq.worker.parse.tools import TOOL_PARSERS, new_call_id
 from tests.helpers import collect
-from worker.parse import ContentParser
-from worker.parse.tools import TOOL_PARSERS, new_call_id
 
 OUTPUTS = {
     "hermes": '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',

@@ -1,0 +1,137 @@
+"""Job records in Redis, as the API sees them: submit, read, cancel, delete."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from celery import Celery
+from pydantic_core import PydanticSerializationError
+
+from chatq.api.errors import BadRequest, Conflict, JobNotFound
+from chatq.core import keys
+from chatq.core.chunks import never_ran
+from chatq.core.jobs import CANCEL, SUBMIT
+from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
+from chatq.core.queue import celery_priority, task_message
+from chatq.core.settings import Settings
+
+# Ids are part of Redis key names, so they must not hold the names' separator: the record of a job "abc:events"
+# would be the event log of job "abc".
+JOB_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+class JobStore:
+    def __init__(self, client: aioredis.Redis, celery: Celery, settings: Settings):
+        self.redis = client
+        self.celery = celery
+        self.settings = settings
+        self._cancel = client.register_script(CANCEL)
+        self._submit = client.register_script(SUBMIT)
+
+    async def submit(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "text"],
+        model: str,
+        prompt_ids: list[int],
+        request_id: str | None,
+    ) -> tuple[Job, int]:
+        """The job, recorded and enqueued, and its queue position at that moment."""
+        if request_id is not None and not JOB_ID.fullmatch(request_id):
+            raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        job = Job(
+            id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
+        )
+        lane = celery_priority(request.priority)
+        # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
+        score = lane * 1e11 + time.time()
+        try:
+            fields = job.to_redis()
+        except PydanticSerializationError as e:  # nesting beyond what the serializer follows
+            raise BadRequest(f"The request cannot be stored: {e}", None) from e
+        record = [x for pair in fields.items() for x in pair]
+        queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
+        rank = await self._submit(
+            keys=[keys.job(job.id), keys.waiting(model), queue], args=[job.id, score, message, *record]
+        )
+        if rank is None:
+            raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
+        return job, rank + 1
+
+    async def get(self, job_id: str) -> Job:
+        self._check(job_id)
+        h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
+        if not h or "deleted" in h:  # a deleted job whose run is still stopping
+            raise JobNotFound(job_id)
+        return Job.from_redis(h)
+
+    async def cancel(self, job_id: str, delete: bool = False) -> None:
+        """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.jobs.CANCEL)."""
+        self._check(job_id)
+        h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
+        # What a queued job's stream closes with, should the job still be queued when the script runs.
+        chunks = []
+        if h.get("status") == JobStatus.queued:
+            with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
+                chunks = never_ran(Job.from_redis(h))[0]
+        events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, 1)]
+        events.append(Event(seq=len(events) + 1, event=EventKind.done))
+        status = await self._cancel(
+            keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)],
+            args=[
+                self.settings.result_ttl,
+                job_id,
+                keys.cancels(""),
+                "1" if delete else "0",
+                keys.waiting(""),
+                *(e.to_json() for e in events),
+            ],
+        )
+        if status is None:
+            raise JobNotFound(job_id)
+
+    async def delete(self, job_id: str) -> None:
+        await self.cancel(job_id, delete=True)
+
+    async def queue_position(self, job: Job) -> int | None:
+        rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]
+        return None if rank is None else rank + 1
+
+    @staticmethod
+    def _check(job_id: str) -> None:
+        if not JOB_ID.fullmatch(job_id):
+            raise JobNotFound(job_id)
+
+    async def view(self, job: Job, queue_position: int | None = None) -> dict[str, Any]:
+        """The job as a chat.completion object with its status, as GET returns it; a queued job's position is read
+        unless given."""
+        obj: dict[str, Any]
+        if job.result:
+            obj = dict(job.result)
+        elif job.status is JobStatus.cancelled:
+            obj = never_ran(job)[1]
+        else:
+            obj = {
+                "id": job.id,
+                "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                "created": job.created,
+                "model": job.model,
+                "choices": [],
+            }
+        obj["status"] = job.status.value
+        progress: dict[str, Any] = {
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": job.completion_tokens,
+        }
+        if job.status is JobStatus.queued:
+            progress["queue_position"] = queue_position or await self.queue_position(job)
+        obj["progress"] = progress
+        if job.error:
+            obj["error"] = job.error
+        return obj

@@ -1,0 +1,297 @@
+"""`chatq`: start the pieces (api, worker, flower, or all of them with `up`) and talk to a running API.
+
+The worker's heavy imports happen in its own process, so this module stays light for the API and the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import pydantic
+
+from chatq.core import keys
+from chatq.core.settings import Settings
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def _celery(*args: str) -> list[str]:
+    # The console script, not `python -m celery`: on SIGHUP a worker restarts itself by running its argv again, and
+    # celery/__main__.py run as a file cannot import its own package.
+    script = Path(sys.executable).parent / "celery"
+    return [str(script), *args] if script.exists() else _python("-m", "celery", *args)
+
+
+def worker_command(settings: Settings) -> list[str]:
+    return _celery(
+        "-A",
+        "chatq.worker.celery_app",
+        "worker",
+        "-P",
+        "threads",
+        "-c",
+        str(settings.worker_concurrency),
+        "-Q",
+        keys.celery_queue(settings.model_name),
+        "-n",
+        f"{settings.model_name}@%h-{os.getpid()}",
+        "--without-mingle",
+        "--without-gossip",
+        "--loglevel",
+        "INFO",
+    )
+
+
+def api_command(settings: Settings) -> list[str]:
+    return _python(
+        "-m",
+        "uvicorn",
+        "--factory",
+        "chatq.api.app:app_from_env",
+        "--host",
+        settings.api_host,
+        "--port",
+        str(settings.api_port),
+        "--log-level",
+        "warning",
+    )
+
+
+def flower_command(settings: Settings) -> list[str]:
+    return _celery(
+        "-A",
+        "chatq.worker.celery_app",
+        "flower",
+        f"--port={settings.flower_port}",
+        f"--address={settings.api_host}",
+    )
+
+
+PREPARE = """
+import signal, sys
+from chatq.core.settings import Settings
+from chatq.worker.model import ensure_model_dir
+# Stopped, it unwinds, so the conversion removes its half-written files (half a gigabyte) on the way out.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+try:
+    ensure_model_dir(Settings())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def prepare_model(settings: Settings) -> None:
+    """Converts the default model once, before anything needs its files."""
+    proc = subprocess.Popen(_python("-c", PREPARE))
+    try:
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+
+
+def up(settings: Settings, with_flower: bool = True) -> int:
+    from chatq.embedded_redis import EmbeddedRedis
+
+    signalled: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        signalled.append(signum)
+        raise KeyboardInterrupt
+
+    # Installed first, and explicitly: a shell that starts `chatq up` in the background leaves SIGINT ignored, and a
+    # signal while Redis starts must still stop it. SIGHUP: the terminal closed.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+    redis_server = None if settings.redis_url else EmbeddedRedis(settings.cache_dir / "redis", port=6379)
+    services: dict[str, subprocess.Popen] = {}
+    try:
+        env = dict(os.environ)
+        if redis_server is not None:
+            redis_server.start()
+            env["CHATQ_REDIS_URL"] = redis_server.url
+            settings = settings.model_copy(update={"redis_url": redis_server.url})
+            print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
+        prepare_model(settings)
+        services["worker"] = subprocess.Popen(worker_command(settings), env=env)
+        services["api"] = subprocess.Popen(api_command(settings), env=env)
+        if with_flower:
+            services["flower"] = subprocess.Popen(flower_command(settings), env=env)
+        print(
+            f"chatq: starting the API on {_url(settings.api_host, settings.api_port)}"
+            + (f" and Flower on {_url(settings.api_host, settings.flower_port)}" if with_flower else ""),
+            flush=True,
+        )
+        watched = dict(services)
+        if redis_server is not None and redis_server.proc is not None:
+            watched["redis"] = redis_server.proc  # type: ignore[assignment]
+        while True:
+            for name, p in watched.items():
+                if p.poll() is not None:
+                    print(f"chatq: {name} exited with status {p.returncode}; stopping", file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:  # Redis would not start: its own words say why
+        print(f"chatq: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        try:
+            _stop(services, gently=signalled[:1] == [signal.SIGINT])
+        except KeyboardInterrupt:  # asked again while waiting (a worker finishing its jobs): stop waiting
+            for p in services.values():
+                if p.poll() is None:
+                    p.kill()
+        finally:
+            # Redis goes last, whatever happened above, and is not interrupted while it saves.
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
+            if redis_server is not None:
+                redis_server.stop()
+
+
+def _stop(services: dict[str, subprocess.Popen], gently: bool) -> None:
+    """Stops the services. Gently (a Ctrl-C), the worker is waited for until its running jobs end, however long
+    that takes: killed, it would leave them unfinished. Otherwise each gets 15 s after SIGTERM."""
+    procs = list(services.values())
+    if gently:
+        # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
+        # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
+        deadline = time.time() + 5
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()  # for Celery too a warm shutdown: running jobs finish first
+    worker = services.get("worker")
+    if gently and worker is not None and worker.poll() is None:
+        print("chatq: waiting for running jobs to finish (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+        worker.wait()
+    for p in reversed(procs):
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _base_url(settings: Settings) -> str:
+    return os.environ.get("CHATQ_API_URL", _url(settings.api_host, settings.api_port))
+
+
+def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: float | None) -> int:
+    body: dict = {
+        "model": settings.model_name,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+    }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
+    with httpx.stream("POST", f"{_base_url(settings)}/v1/chat/completions", json=body, timeout=None) as r:
+        if r.status_code != 200:
+            r.read()
+            print(r.text, file=sys.stderr)
+            return 1
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                print(f"\nerror: {data['error']['message']}", file=sys.stderr)
+                return 1
+            for choice in data.get("choices", []):
+                print(choice["delta"].get("content") or "", end="", flush=True)
+    print()
+    return 0
+
+
+def job(settings: Settings, action: str, job_id: str) -> int:
+    base = f"{_base_url(settings)}/v1/chat/completions/{job_id}"
+    r = httpx.get(base) if action == "get" else httpx.post(f"{base}/cancel")
+    print(json.dumps(r.json(), indent=2))
+    return 0 if r.status_code == 200 else 1
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """CHATQ_ variables that name no setting: a misspelt CHATQ_REDIS_URI would otherwise start a private Redis."""
+    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields} | {"CHATQ_API_URL"}
+    return sorted(name for name in environ if name.upper().startswith("CHATQ_") and name.upper() not in known)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chatq", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start Redis (unless CHATQ_REDIS_URL is set), a worker, the API and Flower").add_argument(
+        "--no-flower", action="store_true"
+    )
+    sub.add_parser("api", help="start the HTTP API")
+    sub.add_parser("worker", help="start a Celery worker holding the model")
+    sub.add_parser("flower", help="start Flower")
+    sub.add_parser("prepare", help="convert the default model into the cache (once per machine)")
+    p_chat = sub.add_parser("chat", help="stream an answer from a running API")
+    p_chat.add_argument("prompt")
+    p_chat.add_argument("--max-tokens", type=int)
+    p_chat.add_argument("--temperature", type=float)
+    p_job = sub.add_parser("job", help="get or cancel a job")
+    p_job.add_argument("action", choices=["get", "cancel"])
+    p_job.add_argument("id")
+    args = parser.parse_args(argv)
+    for name in unknown_variables(os.environ):
+        print(f"chatq: warning: {name} is not a chatq setting (misspelt?); it is ignored", file=sys.stderr)
+    try:
+        settings = Settings()
+    except pydantic.ValidationError as e:
+        for err in e.errors():
+            name = "CHATQ_" + "_".join(str(p) for p in err["loc"]).upper()
+            print(f"chatq: {name}: {err['msg']}", file=sys.stderr)
+        return 2
+
+    if args.command == "up":
+        return up(settings, with_flower=not args.no_flower)
+    if args.command == "prepare":
+        prepare_model(settings)
+        return 0
+    if args.command in ("chat", "job"):
+        try:
+            if args.command == "job":
+                return job(settings, args.action, args.id)
+            return chat(settings, args.prompt, args.max_tokens, args.temperature)
+        except BrokenPipeError:
+            # The reader went away (`chatq chat ... | head`): leaving closes the stream, which cancels the job.
+            # stdout is pointed at /dev/null so the interpreter's final flush does not fail a second time.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except httpx.TransportError as e:
+            print(f"chatq: cannot reach the API at {_base_url(settings)} ({e})", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # leaving closes the stream, which cancels the job
+            print(file=sys.stderr)
+            return 130
+    if not settings.redis_url:
+        parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")
+    command = {"api": api_command, "worker": worker_command, "flower": flower_command}[args.command](settings)
+    os.execv(command[0], command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Deltas -> OpenAI objects: the streamed chunks and the final object, for chat and for legacy text completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from chatq.core.delta import Delta
+from chatq.core.protocol import ChatCompletionRequest, Job
+
+SYSTEM_FINGERPRINT = "chatq"
+
+
+@dataclass
+class TokenInfo:
+    """One generated token's logprob entry, already decoded."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+    offset: int = 0  # where its text begins in the choice's text (legacy text_offset)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; reasoning_tokens (given when a reasoning parser ran) goes into its details."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def delta_json(delta: Delta) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        calls = []
+        for c in delta.tool_calls:
+            call: dict[str, Any] = {"index": c.index}
+            if c.id is not None:
+                call.update(id=c.id, type="function", function={"name": c.name, "arguments": c.arguments})
+            else:
+                call["function"] = {"arguments": c.arguments}
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
+    return {
+        "content": [{**_entry(t.token, t.logprob), "top_logprobs": [_entry(s, lp) for s, lp in t.top]} for t in tokens]
+    }
+
+
+def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, with each token's character offset in the text."""
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
+        "top_logprobs": [{t.token: t.logprob, **dict(t.top)} for t in tokens],
+        "text_offset": [t.offset for t in tokens],
+    }
+
+
+class ChatChunks:
+    object = "chat.completion"
+
+    def __init__(self, completion_id: str, created: int, model: str, role: str):
+        self.role = role
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+        self.final_base = {**self.base, "object": self.object}
+
+    def start(self, index: int) -> dict[str, Any] | None:
+        return self.chunk(index, {"role": self.role, "content": ""})
+
+    def chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return {**self.base, "choices": [choice]}
+
+    def delta(self, index: int, delta: Delta) -> dict[str, Any]:
+        return delta_json(delta)
+
+    def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
+        return chat_logprobs(tokens)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage}
+
+    def final_choice(
+        self,
+        index: int,
+        content: str | None,
+        reasoning: str | None,
+        tool_calls: list[dict[str, Any]],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason,
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": content, "reasoning": reasoning}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+
+    def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        # vLLM's whole answer writes every field, this one null without prefix-cache accounting; its stream chunks
+        # leave unset fields out.
+        return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
+
+
+def never_ran(job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The stream chunks and the final object of a job cancelled before any worker ran it: each choice opens and
+    ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
+    no answer (a non-streamed one reading `choices[0]` finds it)."""
+    req = job.request
+    shapes: ChatChunks
+    if isinstance(req, ChatCompletionRequest):
+        shapes = ChatChunks(job.id, job.created, job.model, req.response_role)
+    else:
+        shapes = TextChunks(job.id, job.created, job.model)
+    stream = []
+    for i in range(req.n):
+        first = shapes.start(i)
+        stream += [first] if first is not None else []
+        stream.append(shapes.chunk(i, {}, None, "abort", None))
+    choices = [shapes.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
+    return stream, shapes.final(choices, usage(len(job.prompt_ids), 0))
+
+
+class TextChunks(ChatChunks):
+    """Legacy /v1/completions: the same events, shaped as `text_completion` objects."""
+
+    object = "text_completion"
+
+    def __init__(self, completion_id: str, created: int, model: str):
+        super().__init__(completion_id, created, model, role="")
+        self.base = {**self.base, "object": self.object}
+        self.final_base = dict(self.base)
+
+    def start(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "text": delta.get("content", ""),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        return {**self.base, "choices": [choice]}
+
+    def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
+        return text_logprobs(tokens)
+
+    def final_choice(
+        self,
+        index: int,
+        content: str | None,
+        reasoning: str | None,
+        tool_calls: list[dict[str, Any]],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason,
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": content,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }

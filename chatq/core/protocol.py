@@ -1,0 +1,814 @@
+"""Wire types shared by the API and the workers: the HTTP request body, the job record and the event envelope."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, get_args
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from chatq.core import regex_dialect
+
+
+def _check_schema(schema: Any, param: str, constrains: bool = True) -> None:
+    """A JSON schema must be valid JSON Schema that the worker's grammar engine can compile, so a bad one is a 400
+    here and never a failed job; one that will constrain the output (`constrains`) must also use only what the
+    grammar engine enforces."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(schema, dict):
+        raise RequestError("A JSON schema must be an object.", param)
+    try:
+        Draft202012Validator.check_schema(schema)
+        found = _schema_problem(schema, schema, constrains)
+    except SchemaError as e:
+        raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
+    except RecursionError as e:
+        raise RequestError("The JSON schema is nested too deeply.", param) from e
+    if found is not None:
+        raise RequestError(f"Invalid JSON schema: {found}", param)
+
+
+_BOUNDS = (
+    ("minimum", "maximum"),
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+)
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+# Keywords xgrammar compiles without enforcing them (it logs a warning and then allows what they forbid): an answer
+# would come back "stop" and not match its schema. Refused, as nothing else here can hold an answer to them.
+_UNENFORCED = (
+    "not",
+    "if",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+# Where a schema holds schemas: name -> schema maps, lists of schemas, single schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+
+
+def _subschemas(node: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out += node[key].values()
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out += node[key]
+    out += [node[key] for key in _SCHEMA_ONE if key in node]
+    return out
+
+
+def _range_problem(node: dict[str, Any]) -> str | None:
+    """Numeric bounds the grammar engine refuses: an integer's that are not whole or beyond 64 bits, and a range
+    (exclusive ends included) that holds no value."""
+    bounds = {k: node[k] for k in _NUMERIC if isinstance(node.get(k), int | float) and not isinstance(node[k], bool)}
+    if not bounds:
+        return None
+    declared = node.get("type")
+    types: list[Any] = declared if isinstance(declared, list) else [declared]
+    integer = "integer" in types and "number" not in types
+    if integer:
+        for key, value in bounds.items():
+            if not math.isfinite(value) or value != int(value):
+                return f"an integer's {key} must be a whole number, not {value}"
+            if not -(2**63) <= value < 2**63:
+                return f"an integer's {key} ({value}) is beyond 64 bits"
+    lows = [(bounds[k], k.startswith("exclusive")) for k in ("minimum", "exclusiveMinimum") if k in bounds]
+    highs = [(bounds[k], k.startswith("exclusive")) for k in ("maximum", "exclusiveMaximum") if k in bounds]
+    if not lows or not highs:
+        return None
+    a, a_open = max(lows)  # the stricter of equal bounds is the exclusive one
+    b, b_open = min(highs, key=lambda h: (h[0], not h[1]))
+    if integer:
+        a, b = (a + 1 if a_open else a), (b - 1 if b_open else b)
+        empty = a > b
+    else:
+        empty = a > b or (a == b and (a_open or b_open))
+    return "the bounds leave no value" if empty else None
+
+
+def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) -> str | None:
+    """What in a schema valid as JSON Schema the grammar engine cannot compile or would not enforce: a regex outside
+    its dialect, a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies, a keyword it ignores.
+    jsonschema checks none of these. Walked schema by schema, so a property named like a keyword is just a name."""
+    if not isinstance(node, dict):
+        return None
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += list(node["patternProperties"])
+    for pattern in patterns:
+        try:
+            found = regex_dialect.problem(pattern)
+        except (re.error, OverflowError) as e:
+            return f"the pattern {pattern!r} is not a valid regex ({e})"
+        if found is not None:
+            return f"the pattern {pattern!r} uses {found}, which the grammar engine does not support"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and _resolve(ref, root) is None:
+        return f"$ref {ref!r} points to nothing in the schema (only local references, #/..., are followed)"
+    if isinstance(ref, str) and _ref_loop(node, root):
+        return f"$ref {ref!r} leads through references back to itself without reaching a schema"
+    if node.get("enum") == []:
+        return "an empty enum allows no value"
+    for low, high in _BOUNDS:
+        a, b = node.get(low), node.get(high)
+        if isinstance(a, int | float) and isinstance(b, int | float) and a > b:
+            return f"{low} ({a}) is greater than {high} ({b})"
+    if found := _range_problem(node):
+        return found
+    unenforced = [k for k in _UNENFORCED if k in node and not (k == "uniqueItems" and node[k] is False)]
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        unenforced.append("allOf with more than one schema")
+    if unenforced and constrains:
+        return f"the grammar engine cannot enforce {', '.join(unenforced)}"
+    return next((p for p in (_schema_problem(v, root, constrains) for v in _subschemas(node)) if p), None)
+
+
+def _ref_loop(node: dict[str, Any], root: dict[str, Any]) -> bool:
+    """Whether following `$ref` from this node comes back to a node already passed: a schema that is only
+    references to itself (`{"$ref": "#"}`), which describes no value."""
+    seen: list[int] = []
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        if id(node) in seen:
+            return True
+        seen.append(id(node))
+        node = _resolve(node["$ref"], root)
+    return False
+
+
+def _resolve(ref: str, root: dict[str, Any]) -> Any:
+    """The part of the schema a local `$ref` (a JSON pointer after '#') names; None if there is none."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for step in filter(None, ref[1:].split("/")):
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
+def _check_regex(pattern: str) -> None:
+    """The regex must be one the worker's grammar engine compiles and reads as Python does, so a bad one is a 400
+    here and never a failed (or wrongly constrained) job."""
+    try:
+        found = regex_dialect.problem(pattern)
+    except (re.error, OverflowError) as e:
+        raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
+    except RecursionError as e:
+        raise RequestError("structured_outputs.regex is nested too deeply.", "structured_outputs") from e
+    if found is not None:
+        raise RequestError(
+            f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
+        )
+
+
+# --- the HTTP request ---------------------------------------------------------------------------------
+
+
+def _nullable(annotation: Any) -> bool:
+    return annotation is None or type(None) in get_args(annotation)
+
+
+class RequestError(ValueError):
+    """A request field is invalid; `param` names it, as OpenAI's error object does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# Content part type -> the key holding its text.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_reasoning_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reasoning_content" in data and "reasoning" not in data:
+            data = dict(data)
+            data["reasoning"] = data.pop("reasoning_content")
+        return data
+
+    def text(self) -> str | None:
+        """Content as one string: text parts are joined, a line apart; other part types are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(self.texts())  # as vLLM joins them for a template that takes content as one string
+
+    def texts(self) -> list[str]:
+        """Content as its text parts; other part types are refused."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [self.content]
+        texts = []
+        for part in self.content:
+            kind = part.get("type")
+            # The part types vLLM reads as text: the Responses API's input and output text, an earlier assistant
+            # turn's refusal and thinking.
+            key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
+            if key is None:
+                raise RequestError(f"Content part type {kind!r} is not supported", "messages")
+            if not isinstance(part.get(key), str):
+                raise RequestError(f"A {kind} content part needs its `{key}` as a string.", "messages")
+            texts.append(part[key])
+        return texts
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False  # null: left out, as vLLM reads it
+    continuous_usage_stats: bool | None = False
+
+
+# Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (null and
+# empty do too, and false where that value is null): sending another is a 400 naming the field, never a silent no-op.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "return_tokens_as_token_ids": None,
+    "return_token_ids": None,
+    "audio": None,
+    "modalities": ["text"],
+    "prediction": None,
+    "web_search_options": None,
+    "functions": None,
+    "function_call": None,
+    "suffix": None,
+    "best_of": 1,
+    "use_beam_search": None,
+    "length_penalty": 1.0,
+    "prompt_logprobs": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logprob_token_ids": None,
+    "thinking_token_budget": None,
+    "chat_template": None,
+    "spaces_between_special_tokens": True,
+    "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
+    "stream_interval": 1,
+    "logits_processors": None,
+    "structural_tag": None,
+    # vLLM's older names for structured outputs, which chatq takes as `structured_outputs` only.
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "watermarking": None,
+    "routed_experts_prompt_start": 0,
+    "return_prompt_text": None,
+}
+MAX_TOP_LOGPROBS = 20
+# OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
+MAX_N = 128
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by chat and legacy text completions: how to sample and how to stream."""
+
+    # Unknown keys are accepted and ignored, as in vLLM; the known-but-unsupported ones are refused in check().
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    background: bool = False
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)  # a single string is accepted and wrapped
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: the model's generation_config, else 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    echo: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+    request_id: str | None = None
+    priority: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """null for a field that cannot be null reads as the field left out, as OpenAI and vLLM read it: the SDKs
+        send null for a parameter passed as None."""
+        if isinstance(data, dict) and None in data.values():
+            fixed = cls._fixed_fields()
+            return {k: v for k, v in data.items() if v is not None or k not in fixed}
+        return data
+
+    @classmethod
+    def _fixed_fields(cls) -> frozenset[str]:
+        """Fields with a default whose type excludes None."""
+        return frozenset(
+            name for name, f in cls.model_fields.items() if not f.is_required() and not _nullable(f.annotation)
+        )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if isinstance(stops, list):
+            if len(stops) > 4:
+                raise ValueError("stop may hold at most 4 sequences")
+            if any(s == "" for s in stops):
+                raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is not None and self.temperature < 1e-5
+
+    def check(self) -> None:
+        """Checks beyond single-field types; raises RequestError naming the offending param."""
+        extra = self.model_extra or {}
+        for name, harmless in UNSUPPORTED_FIELDS.items():
+            value = extra.get(name)
+            asks_nothing = value in (None, [], {}) or value == harmless or harmless is None and value is False
+            if not asks_nothing:
+                raise RequestError(f"`{name}` is not supported by this server", name)
+
+        def need(ok: bool, message: str, param: str) -> None:
+            if not ok:
+                raise RequestError(message, param)
+
+        need(self.temperature is None or 0 <= self.temperature <= 2, "temperature must be in [0, 2]", "temperature")
+        need(self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        need(self.top_k is None or self.top_k >= -1, "top_k must be -1 (disable), 0 (disable) or at least 1", "top_k")
+        need(self.min_p is None or 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        need(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", "n")
+        need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2]", name)
+        need(
+            self.repetition_penalty is None or self.repetition_penalty > 0,
+            "repetition_penalty must be greater than zero",
+            "repetition_penalty",
+        )
+        need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit integer", "seed")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            need(value is None or value >= 1, f"{name} must be at least 1", name)
+        need(self.min_tokens >= 0, "min_tokens must be at least 0", "min_tokens")
+        need(
+            self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
+            "min_tokens must be less than or equal to max_tokens",
+            "min_tokens",
+        )
+        need(
+            # An empty object asks for nothing, and vLLM lets it pass.
+            self.stream_options is None or not self.stream_options.model_fields_set or self.stream,
+            "Stream options can only be defined when `stream=True`.",
+            "stream_options",
+        )
+        need(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens >= -1
+            and self.truncate_prompt_tokens != 0,
+            "truncate_prompt_tokens must be -1 or at least 1",
+            "truncate_prompt_tokens",
+        )
+        need(all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be token ids", "stop_token_ids")
+
+    def check_bias(self, vocab_size: int) -> None:
+        """Every logit_bias key must be a token id of the model; the error lists each one that is not."""
+
+        def ok(key: str) -> bool:
+            try:
+                return 0 <= int(key) < vocab_size
+            except ValueError:
+                return False
+
+        bad = [key for key in self.logit_bias or {} if not ok(key)]
+        if bad:
+            raise RequestError(
+                f"logit_bias keys must be token ids in 0..{vocab_size - 1}; invalid: {', '.join(map(repr, bad))}",
+                "logit_bias",
+            )
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
+        return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
+
+
+class Function(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _no_parameters(cls, v: Any) -> Any:
+        # null, as vLLM reads it: a function that takes no parameters.
+        return {"type": "object", "properties": {}} if v is None else v
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str  # required, as OpenAI and vLLM have it
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's constraint kinds; exactly one may be given."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
+    # that asks for something (not null or false) is refused in check(), rather than dropped.
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
+
+    def kinds(self) -> list[str]:
+        return [
+            k
+            for k, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if v is not None
+        ]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    # Whether the tokenizer adds its own special tokens (a BOS) around the rendered prompt: off, as in vLLM, since
+    # chat templates write them.
+    add_special_tokens: bool = False
+    # vLLM's set; the value itself only reaches the chat template.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the model is asked to think: `chat_template_kwargs.enable_thinking` if given, else off only for
+        `reasoning_effort: "none"` (vLLM hands the template that choice as `enable_thinking`)."""
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return kwargs["enable_thinking"] is not False
+        return self.reasoning_effort != "none"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None:
+            # vLLM's rule: 0 (its default) asks for nothing, so it needs no logprobs.
+            if self.top_logprobs != 0 and not self.logprobs:
+                raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(
+                    f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
+                )
+        self._check_tools()
+        self._check_structured()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError(
+                "`continue_final_message` needs the last message to be an assistant message.", "continue_final_message"
+            )
+        for m in self.messages:
+            m.text()
+
+    def _check_tools(self) -> None:
+        if self.tools is not None and not self.tools:
+            raise RequestError("`tools` must not be an empty list; leave it out instead.", "tools")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise RequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise RequestError(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+        forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
+        for i, tool in enumerate(self.tools or []):
+            # Only `required` and a named tool put a tool's parameters under a grammar; offered under `auto`, a
+            # schema the grammar engine would not enforce is the model's and the client's business, as in vLLM.
+            constrains = self.tool_choice == "required" or tool.function.name == forced
+            _check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
+
+    def _check_structured(self) -> None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestError(
+                    "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
+                )
+            _check_schema(fmt.json_schema.schema_, "response_format")
+        so = self.structured_outputs
+        if so is not None:
+            for name, value in (so.model_extra or {}).items():
+                if value is not None and value is not False:
+                    raise RequestError(
+                        f"`structured_outputs.{name}` is not supported by this server", f"structured_outputs.{name}"
+                    )
+            kinds = so.kinds()
+            if len(kinds) != 1:
+                raise RequestError(
+                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
+                )
+            if isinstance(self.tool_choice, NamedToolChoice):
+                raise RequestError(
+                    "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
+                )
+            if fmt is not None and fmt.type != "text":
+                raise RequestError(
+                    "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
+                )
+            if so.regex is not None:
+                _check_regex(so.regex)
+            if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
+                raise RequestError("structured_outputs.choice needs non-empty strings.", "structured_outputs")
+            if so.grammar is not None and not so.grammar.strip():
+                raise RequestError("structured_outputs.grammar must not be empty.", "structured_outputs")
+            if isinstance(so.json_, str):
+                try:
+                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
+                    schema = orjson.loads(so.json_)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
+                _check_schema(schema, "structured_outputs")
+            elif so.json_ is not None:
+                _check_schema(so.json_, "structured_outputs")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces, if any."""
+        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def response_role(self) -> str:
+        # vLLM answers in the last message's role when no generation prompt opens an assistant turn.
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+
+class CompletionRequest(GenerationRequest):
+    """The legacy /v1/completions body: a prompt instead of messages."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        # vLLM also takes a batch (a list of strings or of id lists); here one request is one job. A batch of one
+        # is that prompt (LangChain's OpenAI LLM always sends a list).
+        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            if len(v) == 1:
+                return v[0]
+            raise ValueError("A batch of prompts is not supported: send one prompt (text or token ids) per request.")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
+        if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("The prompt must not be empty.", "prompt")
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # by default, as the completion would be: on for a prompt, off for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
+    tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- the job record ----------------------------------------------------------------------------------
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    in_progress = "in_progress"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
+
+
+class Job(BaseModel):
+    """One chat completion job, stored as the Redis hash keys.job(id); every field is a string there."""
+
+    id: str
+    model: str
+    kind: Literal["chat", "text"] = "chat"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    status: JobStatus = JobStatus.queued
+    request: ChatCompletionRequest | CompletionRequest
+    attempts: int = 0
+    worker: str | None = None
+    prompt_ids: list[int] = Field(default_factory=list)
+    completion_tokens: int = 0
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+    def to_redis(self) -> dict[str, str]:
+        out = {
+            "id": self.id,
+            "model": self.model,
+            "kind": self.kind,
+            "created": str(self.created),
+            "status": self.status.value,
+            "request": self.request.model_dump_json(exclude_unset=True, by_alias=True),
+            "attempts": str(self.attempts),
+            "completion_tokens": str(self.completion_tokens),
+        }
+        if self.worker:
+            out["worker"] = self.worker
+        if self.prompt_ids:
+            out["prompt_ids"] = json.dumps(self.prompt_ids)
+        if self.result is not None:
+            out["result"] = json.dumps(self.result)
+        if self.error is not None:
+            out["error"] = json.dumps(self.error)
+        return out
+
+    @classmethod
+    def from_redis(cls, h: dict[str, str]) -> Job:
+        kind: Literal["chat", "text"] = "text" if h.get("kind") == "text" else "chat"
+        request_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        return cls(
+            id=h["id"],
+            model=h["model"],
+            kind=kind,
+            created=int(h["created"]),
+            status=JobStatus(h["status"]),
+            request=request_type.model_validate_json(h["request"]),
+            attempts=int(h.get("attempts", 0)),
+            worker=h.get("worker"),
+            prompt_ids=json.loads(h.get("prompt_ids", "[]")),
+            completion_tokens=int(h.get("completion_tokens", 0)),
+            result=json.loads(h["result"]) if "result" in h else None,
+            error=json.loads(h["error"]) if "error" in h else None,
+        )
+
+
+# --- the event envelope: one per pub/sub message and per event-log entry ------------------------------
+
+
+class EventKind(StrEnum):
+    chunk = "chunk"  # data: a chat.completion.chunk object
+    error = "error"  # data: {"error": {...}} in OpenAI's error shape
+    done = "done"  # the last event of every job; data: the final object for a completed non-streamed request, else null
+
+
+# A dict lookup: EnumType.__call__ was a tenth of the API's CPU in reading a relayed event.
+_EVENT_KINDS = {k.value: k for k in EventKind}
+
+
+@dataclass(slots=True)
+class Event:
+    """A plain dataclass, encoded with orjson: the worker builds and the API relays one per streamed token, and
+    pydantic's validation of the nested chunk object cost more than the rest of a relayed frame."""
+
+    seq: int
+    event: EventKind
+    data: dict[str, Any] | None = None
+    _json: bytes | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> bytes:
+        """The `msg` of the log entry and of the pub/sub message, encoded once."""
+        if self._json is None:
+            self._json = orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
+        return self._json
+
+    @classmethod
+    def from_json(cls, msg: str | bytes) -> Event:
+        d = orjson.loads(msg)
+        return cls(d["seq"], _EVENT_KINDS[d["event"]], d.get("data"))
+
+    def sse_data(self) -> bytes:
+        return b"[DONE]" if self.event is EventKind.done else orjson.dumps(self.data)
+
+    def sse_frame(self) -> bytes:
+        """The event as one Server-Sent Events frame, its id the sequence number (for Last-Event-ID)."""
+        return b"id: %d\ndata: %s\n\n" % (self.seq, self.sse_data())
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

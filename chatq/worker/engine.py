@@ -1,0 +1,410 @@
+"""The batched generation engine: add / step / cancel.
+
+Continuous batching over a paged KV cache. Each step runs one forward pass holding one token of every running
+sequence plus prompt chunks of newcomers (at most `prefill_chunk` prompt tokens a step, so running streams keep
+flowing while a long prompt is processed). Cache blocks are taken as sequences grow; when none are left, the
+newest running sequence is preempted (its blocks freed, its tokens recomputed once it is first in line again), so
+memory, not a batch size, bounds how many sequences run, and a sequence that finds no room waits instead of
+failing. Full prompt blocks are shared between sequences whose prompts begin alike (blocks.py), so a common system
+prompt is computed once.
+
+`add` and `cancel` may be called from any thread; `step` from one thread only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chatq.worker.blocks import BlockManager
+from chatq.worker.forward import Batch, KVCache, PagedForward
+from chatq.worker.graphs import DecodeGraphs
+from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, to_device
+
+if TYPE_CHECKING:
+    from chatq.worker.grammar import GrammarState
+
+log = logging.getLogger(__name__)
+
+
+class Finish(StrEnum):
+    stop = "stop"  # EOS or a stop token id
+    length = "length"  # max_tokens or the model's context
+    cancelled = "cancelled"
+    error = "error"
+
+
+# eq=False: a sequence is itself, not its fields. Compared field by field, the scheduler's membership tests took
+# most of a step's host time at 256 sequences (34 of 39 ms on a 2-core CPU).
+@dataclass(eq=False)
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: int = -1  # its place in the engine's first-come order, set by the engine when it takes it in
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V is in the cache
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # constrained decoding: what the output may be
+    history: History = field(default_factory=History)  # the sampler's record of it, for penalties
+    finish: Finish | None = None
+    error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival
+
+
+@dataclass
+class Output:
+    """What one step produced for one sequence: a new token, a finish, or both."""
+
+    seq: Sequence
+    token: int | None
+    finish: Finish | None
+    logprob: TokenLogprob | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        kv_tokens: int,
+        block_size: int,
+        prefill_chunk: int,
+        max_model_len: int,
+        graph_batch: int = 0,
+    ):
+        """graph_batch: decode steps of up to this many sequences replay fixed-size buffers (CUDA graphs on CUDA;
+        see graphs.py); 0 runs every step eagerly."""
+        config: Any = model.config
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)  # one full-length sequence
+        num_blocks = max(kv_tokens // block_size, max_blocks)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
+        self.forward = PagedForward(model, self.cache)
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch > 0:
+            try:
+                self.graphs = DecodeGraphs(self.forward, graph_batch, max_blocks)
+            except Exception:  # a model or driver the capture cannot handle still serves, only slower
+                log.exception("capturing CUDA graphs failed; every step runs eagerly")
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.prefill_chunk = prefill_chunk
+        self.max_model_len = max_model_len
+
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._cancels: set[str] = set()
+        self._order = itertools.count()
+        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
+        self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.wakeup = threading.Event()
+
+    # --- public surface --------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        with self._lock:
+            self._inbox.append(seq)
+        self.wakeup.set()
+
+    def cancel(self, seq_id: str) -> None:
+        with self._lock:
+            self._cancels.add(seq_id)
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.waiting or self.running or self._inbox or self._cancels)
+
+    def step(self) -> list[Output]:
+        outputs: list[Output] = []
+        try:
+            self._step(outputs)
+        except Exception as e:
+            # A fault that belongs to no one sequence (the scheduler, the cache's bookkeeping) leaves the engine's
+            # state unknown. Every sequence fails, so that its job ends instead of waiting for a step that raises
+            # again and again, and the engine starts over with an empty cache.
+            log.exception("engine step failed")
+            outputs.extend(self._fail_everything(f"generation failed ({type(e).__name__})"))
+        return outputs
+
+    def _step(self, outputs: list[Output]) -> None:
+        outputs.extend(self._take_inbox())
+        scheduled = self._schedule()
+        if not scheduled:
+            return
+        try:
+            logits, emitting = self._forward(scheduled)
+        except Exception as e:
+            log.exception("forward pass failed")
+            error = f"generation failed ({type(e).__name__})"
+            # The pass is shared, so every sequence in it failed. When it also carried prompt chunks, the likely
+            # cause is theirs (the memory of a long chunk): those sequences fail, and the running streams try once
+            # more without them.
+            decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
+            prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
+            outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], error))
+            if not prefills or not decodes:
+                return
+            scheduled = decodes
+            try:
+                logits, emitting = self._forward(scheduled)
+            except Exception:
+                log.exception("forward pass failed again without the prompt chunks")
+                outputs.extend(self._fail([seq for seq, _ in scheduled], error))
+                return
+        for seq, n in scheduled:
+            seq.num_cached += n
+            self.blocks.register(seq)
+        if emitting:
+            outputs.extend(self._sample(emitting, logits))
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        batch, emitting = self._build_batch(scheduled)
+        if self.graphs is not None and not batch.prefills and batch.num_decode <= self.graphs.max_batch:
+            return self.graphs(batch), emitting
+        return self.forward(batch), emitting
+
+    def _fail(self, seqs: list[Sequence], error: str) -> list[Output]:
+        for seq in seqs:
+            self.running.remove(seq)
+        return [self._finish(seq, Finish.error, error) for seq in seqs]
+
+    def _fail_everything(self, error: str) -> list[Output]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        seqs = [s for s in self.running + [w[2] for w in self.waiting] + inbox if s.finish is None]
+        self.running, self.waiting = [], []
+        # Blocks are not handed back one by one: the bookkeeping that failed may be what is wrong.
+        self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
+        for seq in seqs:
+            seq.blocks = []  # they belonged to the pool just dropped
+        return [self._finish(seq, Finish.error, error) for seq in seqs]
+
+    # --- scheduling ------------------------------------------------------------------------------------
+
+    def _take_inbox(self) -> list[Output]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        outputs = []
+        for seq in inbox:
+            if self.blocks.blocks_for(len(seq) + 1) > self.blocks.num_blocks:
+                # It would wait at the head of the queue for ever, and everything behind it with it.
+                outputs.append(self._finish(seq, Finish.error, "the prompt does not fit in this worker's KV cache"))
+                continue
+            seq.arrival = next(self._order)
+            heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
+        if cancels:
+            for seq in [s for s in self.running if s.id in cancels]:
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.cancelled))
+            kept = [w for w in self.waiting if w[2].id not in cancels]
+            for _, _, seq in self.waiting:
+                if seq.id in cancels:
+                    outputs.append(self._finish(seq, Finish.cancelled))
+            if len(kept) != len(self.waiting):
+                self.waiting = kept
+                heapq.heapify(self.waiting)
+        return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        # Back in its place, ahead of everything that came after it: a sequence pushed out by others must not also
+        # wait behind newer arrivals, or under steady load it could wait for ever.
+        heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Picks (sequence, number of new tokens to feed) for this step, taking cache blocks as needed."""
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        budget = self.prefill_chunk
+        preempted: set[str] = set()
+        for seq in list(self.running):
+            if seq.id in preempted:  # by an older sequence, below
+                continue
+            todo = len(seq) - seq.num_cached
+            n = 1 if todo == 1 else min(todo, budget)
+            if n == 0:
+                continue
+            while not self.blocks.grow(seq, seq.num_cached + n):
+                victim = self.running[-1]  # the least urgent, of those not scheduled yet in this step
+                self._preempt(victim)
+                preempted.add(victim.id)
+                if victim is seq:
+                    break
+            if seq.id in preempted:
+                continue
+            if todo == 1:
+                decodes.append((seq, 1))
+            else:
+                prefills.append((seq, n))
+                budget -= n
+        # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue.
+        while self.waiting and budget > 0:
+            seq = self.waiting[0][2]
+            if not seq.blocks:
+                self.blocks.reuse_prefix(seq)
+            todo = len(seq) - seq.num_cached
+            n = min(todo, budget)
+            # Keep a block per running sequence in reserve so admitting one does not preempt another next step.
+            needed = self.blocks.blocks_for(seq.num_cached + n) - len(seq.blocks) + len(self.running)
+            if needed > self.blocks.available():
+                self.blocks.release(seq)  # hand back shared blocks it took; it tries again next step
+                break
+            heapq.heappop(self.waiting)
+            self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
+            self.blocks.grow(seq, seq.num_cached + n)
+            # In (priority, arrival) order: steps schedule from the front, and a pool running short preempts from
+            # the back, so the most urgent run first and the least urgent, newest one gives way first.
+            bisect.insort(self.running, seq, key=_rank)
+            prefills.append((seq, n))
+            budget -= n
+        return decodes + prefills
+
+    def _slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """Cache slots of a sequence's first `length` tokens, from its blocks (on the device)."""
+        bs = self.block_size
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
+
+    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        # Per-token Python work is kept to the new tokens; everything proportional to context length (slot tables,
+        # masks) is built with tensor ops, since a step may carry hundreds of sequences with long contexts.
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_at: list[int] = []
+        emitting: list[Sequence] = []
+        decodes: list[Sequence] = []
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        for seq, n in scheduled:
+            start = len(ids)
+            first = seq.num_cached
+            ids.extend(_tokens(seq, first, first + n))
+            pos.extend(range(first, first + n))
+            slots.extend(seq.blocks[i // bs] * bs + i % bs for i in range(first, first + n))
+            if first + n == len(seq):
+                logits_at.append(start + n - 1)
+                emitting.append(seq)
+            if n == 1 and first + 1 == len(seq) and not prefills:
+                decodes.append(seq)
+                continue
+            total = first + n
+            ctx = self._slots(to_device(dev, seq.blocks), total)
+            # Query i sits at position first + i and sees every key up to and including itself. A chunk that starts
+            # the context needs no mask (plain causal), which lets SDPA use its flash kernel on CUDA.
+            mask = None
+            if first:
+                mask = torch.arange(total, device=dev)[None, :] <= torch.arange(first, total, device=dev)[:, None]
+            prefills.append((start, start + n, ctx, mask))
+        dec_table = dec_lens = None
+        if decodes:
+            width = max(len(s.blocks) for s in decodes)
+            dec_table = to_device(dev, [s.blocks + [0] * (width - len(s.blocks)) for s in decodes], torch.int32)
+            dec_lens = to_device(dev, [len(s) for s in decodes], torch.int32)
+        batch = Batch(
+            input_ids=to_device(dev, ids),
+            positions=to_device(dev, pos),
+            slots=to_device(dev, slots),
+            num_decode=len(decodes),
+            dec_table=dec_table,
+            dec_lens=dec_lens,
+            prefills=prefills,
+            logits_at=None if len(logits_at) == len(ids) else to_device(dev, logits_at),
+        )
+        return batch, emitting
+
+    # --- sampling and finishing ------------------------------------------------------------------------
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.grammar, s.history) for s in seqs]
+        try:
+            with torch.inference_mode():  # the logits are inference tensors; shaping them in place needs this
+                tokens, logprobs = sample(logits, rows)
+        except Exception:
+            # One sequence's parameters must not sink the batch: sample row by row to find the culprit.
+            tokens, logprobs = [], []
+            for i, s in enumerate(seqs):
+                try:
+                    with torch.inference_mode():
+                        t, lp = sample(logits[i : i + 1], rows[i : i + 1])
+                    tokens.append(t[0])
+                    logprobs.append(lp[0])
+                except Exception as e:
+                    log.exception("sampling failed for %s", s.id)
+                    s.error = f"sampling failed ({type(e).__name__})"
+                    tokens.append(-1)
+                    logprobs.append(None)
+        outputs = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            try:
+                finish, error = self._advance(seq, token)
+            except Exception as e:  # one sequence's grammar must not stop the others' step
+                log.exception("advancing %s failed", seq.id)
+                finish, error = Finish.error, f"generation failed ({type(e).__name__})"
+            if finish is Finish.error:
+                outputs.extend(self._fail([seq], error or "generation failed"))
+                continue
+            if finish:
+                self.running.remove(seq)
+                self._finish(seq, finish)
+            outputs.append(Output(seq, token, finish, logprob))
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> tuple[Finish | None, str | None]:
+        """Takes a sampled token into the sequence; returns how it ends, if it does, and why if it failed."""
+        if token < 0:
+            return Finish.error, seq.error
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            return Finish.error, "the grammar rejected a sampled token"
+        seq.output_ids.append(token)
+        stop_token = token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens
+        if stop_token or (seq.grammar is not None and seq.grammar.is_terminated()):
+            return Finish.stop, None
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return Finish.length, None
+        return None, None
+
+    def _finish(self, seq: Sequence, finish: Finish, error: str | None = None) -> Output:
+        self._release(seq)
+        seq.finish = finish
+        seq.error = error
+        return Output(seq, None, finish)
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Tokens start..end of the sequence's prompt and output, without joining the two: a decode step would
+    otherwise copy every sequence's whole context to take its last token."""
+    p = len(seq.prompt_ids)
+    if end <= p:
+        return seq.prompt_ids[start:end]
+    if start >= p:
+        return seq.output_ids[start - p : end - p]
+    return seq.prompt_ids[start:] + seq.output_ids[: end - p]

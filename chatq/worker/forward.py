@@ -1,0 +1,164 @@
+"""One batched forward pass over a paged KV cache, for Llama-style decoder models (Llama, Qwen2/3, Mistral, SmolLM).
+
+transformers provides the layers (projections, norms, MLP, rotary embedding) and their weights; what it lacks is a
+forward in which every sequence of the batch has its own length and its own place in a shared cache, so that
+sequences join and leave between steps. That part is here: tokens of all sequences are flattened into one row,
+each writes its K/V into cache slots chosen by the block manager, and attention reads each sequence's slots back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatq.worker import attention
+
+# A CPU decode's gathered context: slot ids [D, Lmax] and the mask of the real ones (attention.gather_context).
+Context = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Batch:
+    """What one step feeds the model. Decode tokens come first (one per sequence), then prefill chunks."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] cache slot each token's K/V is written to
+    # Decode part: D sequences with one query token each, reading the first `dec_lens` slots of their blocks.
+    num_decode: int
+    dec_table: torch.Tensor | None  # [D, W] int32 block ids
+    dec_lens: torch.Tensor | None  # [D] int32 context length, the new token included
+    # Prefill part: (start, end) of each chunk in the flat row, its context slots, and its causal mask (None: the
+    # chunk is the whole context so far, plainly causal).
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
+
+
+class KVCache:
+    """K and V for every layer, addressed by slot = block * block_size + offset.
+
+    One block more than the block manager hands out: the padding rows of a fixed-size (CUDA graph) batch write and
+    read there, so they never touch a live sequence's cache.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        self.block_size = block_size
+        self.spare_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(config, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class PagedForward:
+    def __init__(self, model: nn.Module, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        # Any: nn.Module's __getattr__ types every submodule as `Tensor | Module`, which no call or attribute passes.
+        inner: Any = model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head: Any = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        from importlib import import_module
+
+        # Rotary application is the one function each architecture module defines; take the model's own.
+        self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
+        kc = cache.k[0]
+        self.paged = kc.is_cuda and attention.paged_decode_works(
+            attn.config.num_attention_heads, kc.shape[1], self.head_dim, cache.block_size, kc.dtype, kc.device
+        )
+        if kc.is_cuda:
+            # Where torch prefers cuDNN's attention (Hopper, recent cuDNN), it builds a plan for every new pair of
+            # prompt and context lengths, tens of milliseconds each, and a server sees new lengths all the time.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        if not kc.is_cuda:
+            # nn.Linear computes x @ W.T from a row-major W; MKL's sgemm does that 2-3x slower than x @ W with W
+            # laid out column-major at the 8-48 rows of a decode step (the same at one row and from 64 rows on).
+            # So on CPU every weight is laid out column-major once: the same values, modules and math.
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.data = module.weight.data.t().contiguous().t()
+
+    @torch.inference_mode()
+    def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (float32) of the rows `b.logits_at` names, written into `out` if given. Decode-only
+        batches make no host sync on CUDA, so the same call can be captured in a CUDA graph."""
+        ctx: Context | None = None
+        if b.num_decode and not self.paged:
+            assert b.dec_table is not None and b.dec_lens is not None
+            ctx = attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
+        h = self.embed(b.input_ids)  # [T, hidden]
+        cos, sin = self.rotary(h, b.positions[None])
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        for i, layer in enumerate(self.layers):
+            residual = h
+            h = layer.input_layernorm(h)
+            h = residual + self._attention(layer.self_attn, h, cos, sin, i, b, ctx)
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h if b.logits_at is None else h[b.logits_at])
+        logits = self.lm_head(h)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def _attention(
+        self, attn: Any, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        q = attn.q_proj(h).view(t, -1, self.head_dim)
+        k = attn.k_proj(h).view(t, -1, self.head_dim)
+        v = attn.v_proj(h).view(t, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        # apply_rotary_pos_emb wants heads before tokens; here tokens lead, so broadcast cos/sin over dim 1.
+        q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc.index_copy_(0, b.slots, k)
+        vc.index_copy_(0, b.slots, v)
+        d = b.num_decode
+        if d == t:  # decode only: no copy into a shared output
+            return attn.o_proj(self._decode(q, kc, vc, b, ctx).reshape(t, -1))
+        out = torch.empty_like(q)
+        if d:
+            out[:d] = self._decode(q[:d], kc, vc, b, ctx)
+        for start, end, context, mask in b.prefills:
+            kp = kc.index_select(0, context).transpose(0, 1)[None]  # [1, kvh, L, hd]
+            vp = vc.index_select(0, context).transpose(0, 1)[None]
+            gqa = True
+            groups = q.shape[1] // kp.shape[1]
+            if mask is not None and groups > 1:
+                # A masked chunk (a continued prompt, a cached prefix) cannot use CUDA's flash attention, and the
+                # memory-efficient kernel takes no grouped heads: left grouped, it would fall to the math kernel,
+                # whose score matrix for a long chunk against a long context is gigabytes. Repeating the K/V heads
+                # costs one copy of this chunk's context instead (on every device, so the CPU tests run this path).
+                kp, vp, gqa = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1), False
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                kp,
+                vp,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scaling,
+                enable_gqa=gqa,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+        return attn.o_proj(out.reshape(t, -1))
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx: Context | None):
+        if ctx is not None:
+            return attention.decode_sdpa(q, kc, vc, ctx[0], ctx[1], self.scaling)
+        assert b.dec_table is not None and b.dec_lens is not None
+        return attention.decode_paged(q, kc, vc, b.dec_table, b.dec_lens, self.scaling, self.cache.block_size)

@@ -1,0 +1,101 @@
+"""CUDA graphs of the decode step, one per batch-size bucket.
+
+A decode step of a small model is hundreds of short kernels, and launching them one by one from Python takes
+longer than running them. A graph captured once per bucket replays them all in one launch. Its inputs live in fixed
+buffers: a step of n sequences copies its tokens, positions, cache slots, block table and lengths into the first n
+rows and runs the smallest bucket that holds them; the padding rows write and read the cache's spare block, so they
+never touch a live sequence. Steps that carry prompt chunks, or more sequences than the largest bucket, run eagerly.
+Off CUDA the same buffers are used without capture, which is how the tests check the padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from chatq.worker.forward import Batch, PagedForward
+
+
+def buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 (as vLLM captures): a step pads at most 7 rows."""
+    sizes = [n for n in (1, 2, 4) if n < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, forward: PagedForward, max_batch: int, max_blocks: int):
+        self.forward = forward
+        cache = forward.cache
+        dev = cache.k[0].device
+        self.spare_block = cache.spare_block
+        self.spare_slot = cache.spare_block * cache.block_size
+        self.sizes = buckets(max_batch)
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=dev)
+        self.table = torch.full((n, max_blocks), self.spare_block, dtype=torch.int32, device=dev)
+        self.lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.capture = dev.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.capture:
+            # One output for every bucket: an output per graph would hold a [n, V] float32 block for each of the
+            # 35 buckets up to 256 (2-3 GB for a 128k- or 150k-token vocabulary) that the KV-cache sizing never saw.
+            self.out = torch.empty(n, forward.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+            self._capture_all()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _static(self, n: int) -> Batch:
+        return Batch(
+            input_ids=self.ids[:n],
+            positions=self.positions[:n],
+            slots=self.slots[:n],
+            num_decode=n,
+            dec_table=self.table[:n],
+            dec_lens=self.lens[:n],
+            prefills=[],
+            logits_at=None,
+        )
+
+    def _capture_all(self) -> None:
+        # Largest first, all in one memory pool: smaller graphs reuse the larger ones' scratch memory.
+        pool = None
+        side = torch.cuda.Stream()
+        for n in reversed(self.sizes):
+            batch = self._static(n)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, cuBLAS picks its kernels
+                self.forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.forward(batch, self.out[:n])
+            pool = graph.pool()
+            self.graphs[n] = graph
+        for graph in self.graphs.values():  # a graph's first replay uploads it: here, not in a request's step
+            graph.replay()
+        torch.cuda.synchronize()
+
+    def __call__(self, b: Batch) -> torch.Tensor:
+        """Logits [n, V] of a decode-only batch of n <= max_batch sequences."""
+        assert b.dec_table is not None and b.dec_lens is not None
+        n = b.num_decode
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        width = b.dec_table.shape[1]
+        self.ids[:n].copy_(b.input_ids)
+        self.positions[:n].copy_(b.positions)
+        self.slots[:n].copy_(b.slots)
+        self.table[:n, :width].copy_(b.dec_table)
+        self.lens[:n].copy_(b.dec_lens)
+        if size > n:  # rows a previous step filled now pad: point them back at the spare block
+            self.slots[n:size].fill_(self.spare_slot)
+            self.table[n:size, 0].fill_(self.spare_block)
+            self.lens[n:size].fill_(1)
+        if not self.capture:
+            return self.forward(self._static(size))[:n]
+        self.graphs[size].replay()
+        return self.out[:n]

@@ -1,0 +1,65 @@
+"""The parse stage: generated text in, message deltas out (content now; reasoning and tool calls by parser).
+
+Every parser has the same small surface: `feed(text) -> Delta` for each new piece of decoded text and
+`finish() -> Delta` once generation ended, flushing anything held back. The deltas of one choice, concatenated
+field by field, equal the whole parsed message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from chatq.core.delta import Delta, ToolCallDelta
+
+
+class Parser(Protocol):
+    def feed(self, text: str) -> Delta: ...
+
+    def finish(self) -> Delta: ...
+
+
+class ContentParser:
+    """Plain text: everything is content."""
+
+    def feed(self, text: str) -> Delta:
+        return Delta(content=text)
+
+    def finish(self) -> Delta:
+        return Delta()
+
+
+@dataclass
+class Message:
+    """One choice's deltas so far, joined field by field: what its final message is made of.
+
+    The text is kept as strings, which the cyclic garbage collector never walks, rather than as a Delta per token:
+    hundreds of long streams held that many objects, and every full collection walked them all while the streams
+    waited.
+    """
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def add(self, delta: Delta) -> None:
+        if delta.content:
+            self.content.append(delta.content)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
+        self.tool_calls += delta.tool_calls
+
+    def result(self) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+        """(content, reasoning, tool_calls) in the OpenAI message shape.
+
+        content is None when it is empty and there are tool calls (OpenAI's shape), reasoning None when empty.
+        """
+        calls: dict[int, dict[str, Any]] = {}
+        for c in self.tool_calls:
+            if c.index not in calls:
+                function = {"name": c.name, "arguments": ""}
+                calls[c.index] = {"id": c.id, "type": "function", "function": function}
+            calls[c.index]["function"]["arguments"] += c.arguments
+        tool_calls = [calls[i] for i in sorted(calls)]
+        text = "".join(self.content)
+        return (None if not text and tool_calls else text), "".join(self.reasoning) or None, tool_calls

@@ -1,0 +1,199 @@
+"""Writes what one engine step produced to Redis: one pipeline per step for every active job.
+
+Each event is appended to the job's replayable log (a Stream whose entry ids are 0-<seq>) and published on the
+job's live channel with the same message. The same round trip records progress, closes finished jobs and reads
+which of the worker's running jobs clients cancelled.
+
+On a GPU the writes leave from a thread of their own (Outbox), in step order, so the engine computes its next step
+while Redis takes this one: a step's writes cost as long as a decode step of a small model on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+
+from chatq.core import keys
+from chatq.core.jobs import PUBLISH_EVENTS, UPDATE_RECORD
+from chatq.core.protocol import Event, JobStatus
+from chatq.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
+# or a primary failing over, loading its data, busy in a script, or refusing writes since its last save to disk
+# failed. Anything else it refuses, such as a key of the wrong type, would never land, and waiting for it would
+# stall every job of the worker; such a command is logged and given up while the rest of its step stands, and a
+# stream that meets a later event of its job ends with an error at the gap (api/relay.py).
+RETRIED = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
+# redis-py has no class for these, and words an error met inside a transaction "Command # 3 (SREM ...) of pipeline
+# caused error: MISCONF ...", so they are told by their code wherever it stands.
+TRANSIENT_CODES = re.compile(r"\b(MISCONF|BUSY|NOREPLICAS|LOADING|OOM|READONLY|MASTERDOWN|TRYAGAIN)\b")
+
+
+def retried(error: BaseException) -> bool:
+    """Whether a step that met this error is sent again until Redis takes it."""
+    return isinstance(error, RETRIED) or (
+        isinstance(error, redis.ResponseError) and TRANSIENT_CODES.search(str(error)) is not None
+    )
+
+
+@dataclass
+class JobEnd:
+    job_id: str
+    status: JobStatus
+    completion_tokens: int
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class StepWrites:
+    events: list[tuple[str, Event]] = field(default_factory=list)
+    progress: dict[str, int] = field(default_factory=dict)  # job id -> completion tokens so far
+    ended: list[JobEnd] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.progress or self.ended)
+
+
+class Publisher:
+    def __init__(self, client: redis.Redis, settings: Settings, worker: str):
+        self.redis = client
+        self.ttl = settings.result_ttl
+        self.cancels = keys.cancels(worker)
+        self._refused: set[str] = set()  # event logs already reported as unwritable
+
+    def flush(self, writes: StepWrites) -> set[str]:
+        """Sends one step's writes; returns the ids of the worker's jobs that clients cancelled and that had not
+        ended by this step."""
+        # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record.
+        pipe = self.redis.pipeline(transaction=True)
+        if writes.events:
+            # One script call instead of two commands per event: packing commands is most of a step's publish cost.
+            # No MAXLEN on the log: a job's log is bounded by its tokens, and it expires with the job.
+            # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS before every
+            # execute, a second round trip per step; Redis caches the script by its hash either way.
+            event_keys: list[str] = []
+            args: list[str | bytes] = []
+            for job_id, event in writes.events:
+                event_keys += [keys.job(job_id), keys.events(job_id), keys.live(job_id)]
+                args += [f"0-{event.seq}", event.to_json()]
+            pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
+        for job_id, tokens in writes.progress.items():
+            pipe.eval(UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), self.ttl, 0, "completion_tokens", tokens)
+        now = str(time.time())
+        for end in writes.ended:
+            fields: dict[str, str | bytes] = {
+                "status": end.status.value,
+                "finished": now,
+                "completion_tokens": str(end.completion_tokens),
+            }
+            if end.result is not None:
+                fields["result"] = orjson.dumps(end.result)
+            if end.error is not None:
+                fields["error"] = orjson.dumps(end.error)
+            record = (keys.job(end.job_id), keys.events(end.job_id))
+            pipe.eval(UPDATE_RECORD, 2, *record, self.ttl, 1, *(x for pair in fields.items() for x in pair))
+        if writes.ended:
+            pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
+        # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
+        # the step after the one it arrived during.
+        pipe.smembers(self.cancels)
+        # Each command's error in its place, so one refused command neither hides the others' replies (the cancels)
+        # nor makes the step look unwritten when the rest landed.
+        results = pipe.execute(raise_on_error=False)
+        errors = [r for r in results if isinstance(r, Exception)]
+        for error in errors:
+            if retried(error):
+                raise error  # the whole step is sent again: what already landed is skipped or written the same
+        if errors:
+            log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
+        if writes.events and isinstance(results[0], list):
+            refused = set(results[0]) - self._refused
+            if refused:
+                log.error(
+                    "event logs holding another type of value: their jobs' events are published only: %s", refused
+                )
+            self._refused |= refused
+        self._refused -= {keys.events(end.job_id) for end in writes.ended}
+        cancels = results[-1]
+        return set() if isinstance(cancels, Exception) else {c if isinstance(c, str) else c.decode() for c in cancels}
+
+
+class Outbox:
+    """Flushes steps' writes one after another; `then` runs once the step is written, with the ids of the jobs
+    that clients cancelled.
+
+    Threaded, the writes leave from a thread of their own and `put` returns at once; at most `depth` steps wait, so
+    a Redis slower than the engine slows the engine rather than letting a backlog (and the clients' lag) grow.
+    Otherwise `put` writes the step itself: on a CPU the forward pass already uses every core, and handing each step
+    to a second thread cost 10-20% more CPU per token (GIL handoffs) than it saved.
+    """
+
+    def __init__(self, publisher: Publisher, *, threaded: bool, depth: int = 2):
+        self.publisher = publisher
+        self._closing = threading.Event()
+        self._queue: queue.Queue[tuple[StepWrites, Callable[[set[str]], None]] | None] = queue.Queue(depth)
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="chatq-publish", daemon=True)
+            self._thread.start()
+
+    def put(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
+        if self._thread is None:
+            self._write(writes, then)
+        else:
+            self._queue.put((writes, then))
+
+    def close(self, timeout: float = 10) -> None:
+        """Sends what is queued, then stops; a step waiting for an unreachable Redis is given up."""
+        self._closing.set()
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=timeout)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._write(*item)
+
+    def _write(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
+        cancelled: set[str] = set()
+        delay = 0.1
+        while True:
+            try:
+                cancelled = self.publisher.flush(writes)
+                break
+            except Exception as e:
+                if not retried(e):
+                    log.exception("writing a step to Redis failed")
+                    break
+                # Sent again until Redis takes it: the step's events are skipped where they were already written.
+                if self._closing.is_set():
+                    log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
+                    break
+                log.warning("Redis cannot take a step (%s); writing it again in %.1f s", e, delay)
+                self._closing.wait(delay)
+                delay = min(2 * delay, 2.0)
+        try:
+            then(cancelled)
+        except Exception:
+            log.exception("finishing a written step failed")

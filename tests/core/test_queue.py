@@ -1,0 +1,60 @@
+"""The task message the API's submit script enqueues is the one Celery's send_task would have published."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+import redis
+from flower.utils.broker import Broker
+
+from chatq.core import keys
+from chatq.core.broker import RedisTransport
+from chatq.core.queue import GENERATE_TASK, make_celery, task_message
+from chatq.core.settings import Settings
+
+RANDOM = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to", "argsrepr"}
+
+
+def _shape(raw: str) -> dict:
+    """The message with its per-send ids blanked and its body decoded."""
+    msg = json.loads(raw)
+    msg["body"] = json.loads(base64.b64decode(msg["body"]))
+    for part in (msg["headers"], msg["properties"]):
+        for k in RANDOM & part.keys():
+            part[k] = "*"
+    return msg
+
+
+@pytest.mark.parametrize("lane", [0, 4, 9])
+def test_matches_send_task(settings: Settings, r: redis.Redis, lane: int) -> None:
+    app = make_celery(settings)
+    queue = f"chatq.test-envelope-{lane}"
+    app.send_task(GENERATE_TASK, args=["job-1"], queue=queue, priority=lane)
+    [sent_key] = [k for k in r.scan_iter(f"{queue}*") if not k.startswith("_kombu")]
+    sent = r.rpop(sent_key)
+
+    key, ours = task_message(app, "job-1", queue, lane)
+
+    assert key == sent_key
+    assert _shape(ours) == _shape(sent)
+    assert _shape(ours)["body"][0] == ["job-1"]
+    assert json.loads(ours)["headers"]["argsrepr"] == "['job-1']"
+
+
+def test_flower_reads_the_length_of_a_models_queue(settings: Settings, r: redis.Redis) -> None:
+    # As Flower's broker page builds its view of the broker: from the app's connection URI and transport options.
+    app = make_celery(settings.model_copy(update={"model_name": "test-flower-queue"}))
+    queue = keys.celery_queue("test-flower-queue")
+    with app.connection() as conn:
+        assert isinstance(conn.transport, RedisTransport)  # the workers' transport, under redis:// itself
+        uri = conn.as_uri(include_password=True)
+    broker = Broker(uri, broker_options=app.conf.broker_transport_options)
+    lane_queue, message = task_message(app, "chatcmpl-flower", queue, 6)
+    r.lpush(lane_queue, message)
+    try:
+        assert asyncio.run(broker.queues([queue])) == [{"name": queue, "messages": 1}]
+    finally:
+        r.delete(lane_queue)

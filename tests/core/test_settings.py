@@ -1,0 +1,28 @@
+"""The one settings object: values out of range stop a process at start, and paths take `~`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from chatq.cli import main
+from chatq.core.settings import Settings
+
+
+@pytest.mark.parametrize(("name", "value"), [("worker_ttl", 0), ("api_port", 70000), ("result_ttl", -1)])
+def test_a_value_out_of_range_is_refused(name, value):
+    with pytest.raises(pydantic.ValidationError):
+        Settings(**{name: value})
+
+
+def test_paths_take_the_home_directory():
+    settings = Settings(cache_dir="~/chatq-cache", model="~/models/m")
+    assert settings.cache_dir == Path.home() / "chatq-cache" and settings.model_dir == Path.home() / "models/m"
+
+
+def test_the_command_names_the_variable_that_is_wrong(monkeypatch, capsys):
+    monkeypatch.setenv("CHATQ_WORKER_TTL", "0")
+    assert main(["job", "get", "x"]) == 2
+    assert "chatq: CHATQ_WORKER_TTL: Input should be greater than or equal to 1" in capsys.readouterr().err
