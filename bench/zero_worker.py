@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import threading
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from celery import signals
 
 from bench.common import NOOP_TASK, STATS_KEY
 from bench.zero_engine import ZeroEngine
-from chatq.core.render import Renderer
+from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker import celery_app as product
 from chatq.worker.engine import Output
@@ -113,22 +112,12 @@ class CountedZeroEngine(ZeroEngine):
 
 
 def build_zero_runner(settings: Settings, client: redis.Redis, worker: str, stats: Stats) -> Runner:
-    renderer = Renderer(settings.model_dir)  # tokenizer and chat template only: no weights are read
-    ids = renderer.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False).ids
+    model = ModelInfo.read(settings.model_name, settings.model_dir, settings.max_model_len)  # no weights are read
+    ids = model.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False).ids
     if len(ids) != 1:
         raise RuntimeError(f"{TOKEN_TEXT!r} is not one token in this tokenizer: {ids}")
-    config = json.loads((settings.model_dir / "config.json").read_text())
-    max_model_len = settings.max_model_len or int(config.get("max_position_embeddings", 2048))
     engine = CountedZeroEngine(ids[0], stats)
-    publisher = TimedPublisher(client, settings, worker, stats)
-    return Runner(
-        lambda: engine,
-        renderer.tokenizer,
-        renderer.eos_token_ids,
-        publisher,
-        max_model_len,  # type: ignore[arg-type]
-        settings=settings,
-    )
+    return Runner(lambda: engine, model, TimedPublisher(client, settings, worker, stats), settings=settings)
 
 
 if not signals.worker_init.disconnect(product._load):

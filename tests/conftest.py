@@ -11,6 +11,7 @@ import pytest
 import redis
 import torch
 
+from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
@@ -60,7 +61,7 @@ def r(settings: Settings) -> redis.Redis:
 
 @pytest.fixture(scope="session")
 def renderer(settings: Settings) -> Renderer:
-    return Renderer(settings.model_dir)
+    return Renderer(ModelInfo.read(settings.model_name, settings.model_dir))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -22,11 +24,24 @@ from chatq.api.jobs import JobStore
 from chatq.cli import api_command, worker_command
 from chatq.core import keys
 from chatq.core.delta import Delta
+from chatq.core.model_info import ModelInfo
 from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
 from chatq.worker.parse import Message, Parser
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_info(max_model_len: int = 0, eos_token_ids: tuple[int, ...] | None = None) -> ModelInfo:
+    """The default model's facts, with its context length and EOS ids as a test needs them."""
+    info = _default_model()
+    info = dataclasses.replace(info, max_model_len=max_model_len) if max_model_len else info
+    return info if eos_token_ids is None else dataclasses.replace(info, eos_token_ids=eos_token_ids)
+
+
+@functools.cache
+def _default_model() -> ModelInfo:
+    return ModelInfo.read(Settings().model_name, Settings().model_dir)
 
 
 def alive(pid: int | str) -> bool:

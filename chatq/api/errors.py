@@ -1,4 +1,4 @@
-"""The errors a client can see, one type each, and the one place that turns them into OpenAI-shaped responses."""
+"""The one place that turns errors into OpenAI-shaped HTTP responses."""
 
 from __future__ import annotations
 
@@ -8,54 +8,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from chatq.core.protocol import RequestError, error_body
+from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreachable
 
 
-class APIError(Exception):
-    status = 500
-    type = "InternalServerError"
-
-    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.headers = headers
+def _response(e: ChatqError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-class BadRequest(APIError):
-    status, type = 400, "BadRequestError"
+class _HTTPError(ChatqError):
+    """What Starlette itself refuses (an unknown route, a method the route does not take), in OpenAI's shape."""
 
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
 
-class Conflict(APIError):
-    status, type = 409, "ConflictError"
-
-
-class ModelNotFound(APIError):
-    status, type = 404, "NotFoundError"
-
-    def __init__(self, model: str):
-        super().__init__(f"The model `{model}` does not exist.", "model")
-
-
-class JobNotFound(APIError):
-    status, type = 404, "NotFoundError"
-
-    def __init__(self, job_id: str):
-        super().__init__(f"No chat completion found with id '{job_id}'.", "completion_id")
-
-
-class ClientDisconnected(APIError):
-    """Nginx's 499: nobody reads it, but the access log and the metrics tell it from a served request."""
-
-    status, type = 499, "APIError"
-
-
-class ServiceUnavailable(APIError):
-    status, type = 503, "ServiceUnavailableError"
-
-
-def _response(status: int, type_: str, message: str, param: str | None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
+    def __init__(self, e: HTTPException):
+        super().__init__(str(e.detail))
+        self.status, self.type = e.status_code, self.TYPES.get(e.status_code, "APIError")
 
 
 def _param(loc: tuple) -> str | None:
@@ -86,42 +53,38 @@ def _first_error(errors: list[dict]) -> dict:
     return max(same, key=lambda ep: ep[1].count("."))[0]
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return _response(e.status, e.type, e.message, e.param, e.headers)
+def _validation_error(e: RequestValidationError) -> BadRequest:
+    """OpenAI answers a bad body with 400, not FastAPI's 422; the first problem names the param."""
+    first = _first_error(list(e.errors()))
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error")
+        return BadRequest(f"The request body is not valid JSON: {why}.")
+    param = _param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "Invalid request")
+    if first.get("type") == "missing":
+        msg = f"Missing required parameter: '{param}'." if param else "The request body is missing."
+    return BadRequest(f"{msg} ({param})" if param and "'" not in msg else msg, param)
 
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
-        return _response(400, "BadRequestError", e.message, e.param)
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ChatqError)
+    async def _chatq_error(_: Request, e: ChatqError) -> JSONResponse:
+        return _response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        # OpenAI answers a bad body with 400, not FastAPI's 422; the first problem names the param.
-        first = _first_error(list(e.errors()))
-        if first.get("type") == "json_invalid":
-            why = (first.get("ctx") or {}).get("error")
-            return _response(400, "BadRequestError", f"The request body is not valid JSON: {why}.", None)
-        param = _param(tuple(first.get("loc", ())))
-        msg = first.get("msg", "Invalid request")
-        if first.get("type") == "missing":
-            msg = f"Missing required parameter: '{param}'." if param else "The request body is missing."
-        return _response(400, "BadRequestError", f"{msg} ({param})" if param and "'" not in msg else msg, param)
+        return _response(_validation_error(e))
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:
-        type_ = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
-            e.status_code, "APIError"
-        )
-        return _response(e.status_code, type_, str(e.detail), None)
+        return _response(_HTTPError(e))
 
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def _redis_unreachable(_: Request, e: Exception) -> JSONResponse:
         # Redis restarting or out of reach: a 503, which clients such as the openai SDK retry, not a 500.
-        headers = {"Retry-After": "1"}
-        return _response(503, "ServiceUnavailableError", "The job store (Redis) is unreachable; retry.", None, headers)
+        return _response(RedisUnreachable())
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        return _response(500, "InternalServerError", "The server had an error processing the request.", None)
+        return _response(InternalError("The server had an error processing the request."))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -12,12 +13,12 @@ import redis.asyncio as aioredis
 from celery import Celery
 from pydantic_core import PydanticSerializationError
 
-from chatq.api.errors import BadRequest, Conflict, JobNotFound
-from chatq.core import keys
+from chatq.core import keys, scripts
 from chatq.core.chunks import never_ran
-from chatq.core.jobs import CANCEL, SUBMIT
-from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, Event, EventKind, Job, JobStatus
+from chatq.core.errors import BadRequest, Conflict, JobNotFound
+from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import celery_priority, task_message
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 
 # Ids are part of Redis key names, so they must not hold the names' separator: the record of a job "abc:events"
@@ -30,8 +31,7 @@ class JobStore:
         self.redis = client
         self.celery = celery
         self.settings = settings
-        self._cancel = client.register_script(CANCEL)
-        self._submit = client.register_script(SUBMIT)
+        self._detached: set[asyncio.Task[None]] = set()
 
     async def submit(
         self,
@@ -55,11 +55,8 @@ class JobStore:
             fields = job.to_redis()
         except PydanticSerializationError as e:  # nesting beyond what the serializer follows
             raise BadRequest(f"The request cannot be stored: {e}", None) from e
-        record = [x for pair in fields.items() for x in pair]
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
-        rank = await self._submit(
-            keys=[keys.job(job.id), keys.waiting(model), queue], args=[job.id, score, message, *record]
-        )
+        rank = await scripts.submit(self.redis, job.id, model, fields, queue, message, score)
         if rank is None:
             raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
         return job, rank + 1
@@ -72,7 +69,7 @@ class JobStore:
         return Job.from_redis(h)
 
     async def cancel(self, job_id: str, delete: bool = False) -> None:
-        """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.jobs.CANCEL)."""
+        """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.scripts.cancel)."""
         self._check(job_id)
         h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
         # What a queued job's stream closes with, should the job still be queued when the script runs.
@@ -82,19 +79,15 @@ class JobStore:
                 chunks = never_ran(Job.from_redis(h))[0]
         events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, 1)]
         events.append(Event(seq=len(events) + 1, event=EventKind.done))
-        status = await self._cancel(
-            keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)],
-            args=[
-                self.settings.result_ttl,
-                job_id,
-                keys.cancels(""),
-                "1" if delete else "0",
-                keys.waiting(""),
-                *(e.to_json() for e in events),
-            ],
-        )
-        if status is None:
+        if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events) is None:
             raise JobNotFound(job_id)
+
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancels the job in a task of its own: for a request whose client went away, whose own task is being
+        cancelled."""
+        task = asyncio.create_task(self.cancel(job_id))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
 
     async def delete(self, job_id: str) -> None:
         await self.cancel(job_id, delete=True)

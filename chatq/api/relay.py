@@ -14,24 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import ssl
-import time
-from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import parse_url
 
+from chatq.api.subscriber import WARN_INTERVAL, Subscriber
 from chatq.core import keys
-from chatq.core.protocol import Event, EventKind, error_body
+from chatq.core.errors import ChatqError, JobGone, OutputLost
+from chatq.core.job import Event, EventKind
+from chatq.core.retry import Retry
 
 log = logging.getLogger(__name__)
-
-# Seconds between two warnings of the same outage.
-WARN_INTERVAL = 10.0
 
 # Put in every inbox when the shared connection broke: what was published meanwhile must be read from the log.
 RESYNC = ""
@@ -63,117 +57,13 @@ class Channel:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
-def _command(*args: str) -> bytes:
-    return hiredis.pack_command(args)  # type: ignore[arg-type]  # the stub types it as a 1-tuple
-
-
-class Subscriber:
-    """The pub/sub connection, spoken to directly: hiredis parses every reply of a socket read in one call.
-
-    redis-py's PubSub spends about 13 us of Python per message and this reader about 1 us, and at thousands of
-    relayed chunks per second that was a fifth of the API's CPU. The connection is redis-py's URL, parsed by it.
-    """
-
-    def __init__(self, url: str, on_message: Callable[[str, str], None]):
-        self.options: dict[str, Any] = dict(parse_url(url))
-        self.on_message = on_message
-        # Redis confirms SUBSCRIBEs in the order they were sent, so each confirmation runs the oldest callback
-        # waiting on its channel.
-        self._confirms: dict[str, deque[Callable[[], None]]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wanted: dict[str, Callable[[], None]] = {}  # channel -> what runs when its subscription is confirmed
-
-    def subscribe(self, channel: str, confirmed: Callable[[], None]) -> None:
-        self._wanted[channel] = confirmed
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        elif self._writer is not None:  # else the connection being made subscribes everything wanted
-            self._confirms.setdefault(channel, deque()).append(confirmed)
-            self._writer.write(_command("SUBSCRIBE", channel))
-
-    def unsubscribe(self, channel: str) -> None:
-        self._wanted.pop(channel, None)
-        if self._writer is not None:
-            self._writer.write(_command("UNSUBSCRIBE", channel))
-
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        o = self.options
-        if "path" in o:
-            reader, writer = await asyncio.open_unix_connection(o["path"])
-        else:
-            tls = ssl.create_default_context() if o.get("connection_class") is aioredis.SSLConnection else None
-            reader, writer = await asyncio.open_connection(o.get("host", "localhost"), o.get("port", 6379), ssl=tls)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:  # a peer that vanished without a reset is noticed
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if o.get("password"):
-            user = (o["username"],) if o.get("username") else ()
-            writer.write(_command("AUTH", *user, o["password"]))
-            parser = hiredis.Reader(encoding="utf-8")
-            while (reply := parser.gets()) is False:
-                data = await reader.read(4096)
-                if not data:
-                    raise ConnectionError("Redis closed the connection during AUTH")
-                parser.feed(data)
-            if isinstance(reply, hiredis.ReplyError):
-                raise reply
-        return reader, writer
-
-    async def _run(self) -> None:
-        warned_at = -WARN_INTERVAL
-        while self._wanted:
-            try:
-                reader, writer = await self._connect()
-            except (OSError, hiredis.ReplyError) as e:
-                if (now := time.monotonic()) - warned_at >= WARN_INTERVAL:
-                    warned_at = now
-                    log.warning("pub/sub connection failed (%s); retrying every 0.5 s", e)
-                await asyncio.sleep(0.5)
-                continue
-            warned_at = -WARN_INTERVAL
-            self._confirms = {c: deque([confirmed]) for c, confirmed in self._wanted.items()}
-            for channel in self._wanted:
-                writer.write(_command("SUBSCRIBE", channel))
-            self._writer = writer
-            try:
-                await self._read(reader)
-            except (OSError, hiredis.ProtocolError) as e:
-                log.warning("pub/sub connection lost (%s); streams resync from the log", e)
-            except Exception:  # whatever it was, the streams must not stall: start afresh, they resync
-                log.exception("pub/sub reader failed; streams resync from the log")
-                await asyncio.sleep(0.5)
-            finally:
-                self._writer = None
-                writer.close()
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        # A message that is not UTF-8 (not one of ours) becomes one a stream cannot read, not a dead reader.
-        parser = hiredis.Reader(encoding="utf-8", errors="replace")
-        while data := await reader.read(1 << 16):
-            parser.feed(data)
-            while (reply := parser.gets()) is not False:
-                if isinstance(reply, hiredis.ReplyError):  # e.g. the server now wants AUTH: start afresh
-                    raise ConnectionError(f"Redis refused a pub/sub command: {reply}")
-                kind = reply[0]
-                if kind == "message":
-                    self.on_message(reply[1], reply[2])
-                elif kind == "subscribe":
-                    pending = self._confirms.get(reply[1])
-                    if pending:
-                        pending.popleft()()
-                        if not pending:
-                            del self._confirms[reply[1]]
-        raise ConnectionError("Redis closed the pub/sub connection")
-
-
 class Relay:
     def __init__(self, client: aioredis.Redis, url: str):
         self.redis = client
         self._channels: dict[str, Channel] = {}
         self._subscriber = Subscriber(url, self._deliver)
         # During an outage every open stream retries its log read: one warning per interval says so for all of them.
-        self._warned_at = -WARN_INTERVAL
+        self._retry = Retry(log, "reading job logs failed; their streams wait", warn_every=WARN_INTERVAL)
 
     def _deliver(self, channel: str, message: str) -> None:
         ch = self._channels.get(channel)
@@ -226,20 +116,14 @@ class Relay:
         events: its worker writes only those of jobs that exist. While Redis is unreachable or loading its data,
         this waits for it, as the worker does, rather than end a stream whose job goes on.
         """
-        delay = 0.1
-        while True:
+
+        def read() -> Awaitable[list[Any]]:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xrange(keys.events(job_id), min=f"0-{after + 1}")
             pipe.exists(keys.job(job_id))
-            try:
-                entries, exists = await pipe.execute(raise_on_error=False)
-                break
-            except (aioredis.ConnectionError, aioredis.TimeoutError) as e:
-                if (now := time.monotonic()) - self._warned_at >= WARN_INTERVAL:
-                    self._warned_at = now
-                    log.warning("reading job logs failed (%s); their streams wait and try again", e)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
+            return pipe.execute(raise_on_error=False)
+
+        entries, exists = await self._retry.arun(read)
         if isinstance(exists, Exception):
             raise exists
         if isinstance(entries, Exception):
@@ -268,7 +152,7 @@ class Relay:
             (backlog, exists), from_log = await self._log(job_id, last), True
             while True:
                 if backlog is None:  # what this stream lacks is only in a log that cannot be read
-                    yield ending(last, LOST)
+                    yield ending(last, OutputLost())
                     return
                 batch, gap = [], False
                 for event in backlog:
@@ -287,10 +171,10 @@ class Relay:
                 if gap and from_log:
                     # A job's log is written in order, so a gap in it stays: end the stream and say so, rather
                     # than wait for an event that will never come or go on with a hole in the text.
-                    yield [*batch, *ending(last, LOST)]
+                    yield [*batch, *ending(last, OutputLost())]
                     return
                 if from_log and not exists:  # deleted or expired: what the log held is all there will be
-                    yield [*batch, *ending(last, GONE, "NotFoundError", 404)]
+                    yield [*batch, *ending(last, JobGone())]
                     return
                 if batch:
                     yield batch
@@ -311,14 +195,17 @@ class Relay:
                 for event in batch:
                     yield event
 
+    async def done(self, job_id: str, after: int = 0) -> Event:
+        """The job's `done` event, once it ended."""
+        # Closed here, not by the garbage collector: closing leaves the job's channel.
+        async with contextlib.aclosing(self.events(job_id, after)) as events:
+            async for event in events:
+                if event.event is EventKind.done:
+                    return event
+        raise RuntimeError("a job's events ended without `done`")
 
-def ending(last: int, message: str, type_: str = "InternalServerError", code: int = 500) -> list[Event]:
+
+def ending(last: int, error: ChatqError) -> list[Event]:
     """How a stream ends when it cannot go on: an error, then `done`. Both carry `last`'s number, so a client that
     resumes from them reads on from where this stream stopped."""
-    return [Event(last, EventKind.error, error_body(message, type_, code)), Event(last, EventKind.done)]
-
-
-# The event after the last one sent never reached the log (a worker could not write it): a client that resumes meets
-# the same gap, not a text with a hole in it.
-LOST = "Part of this job's output was lost before it could be relayed."
-GONE = "The job was deleted or has expired."
+    return [Event(last, EventKind.error, error.body()), Event(last, EventKind.done)]

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatq.core.delta import Delta
-from chatq.core.protocol import ChatCompletionRequest, Job
+from chatq.core.job import Job
+from chatq.core.requests import ChatCompletionRequest
 
 SYSTEM_FINGERPRINT = "chatq"
 

@@ -10,20 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
 
-from chatq.core.protocol import ChatCompletionRequest, RequestError
-
-
-class TemplateError(RequestError):
-    pass
+from chatq.core.errors import BadRequest
+from chatq.core.model_info import ModelInfo
+from chatq.core.requests import ChatCompletionRequest, Message
 
 
 @dataclass(frozen=True)
@@ -47,65 +42,55 @@ def _tojson(
 
 
 class Renderer:
-    """Holds one model's tokenizer and chat template."""
+    """Renders requests with one model's tokenizer and chat templates."""
 
-    def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-        template = config.get("chat_template")
-        jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
-        if template is None:
-            raise RuntimeError(f"{model_dir} has no chat template")
-        self.special = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        self.special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in self.special.items()}
+    def __init__(self, model: ModelInfo):
+        self.tokenizer = model.tokenizer
+        self.special = model.special_tokens
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        # Some models ship several named templates ([{"name": "default", ...}, {"name": "tool_use", ...}]);
-        # transformers and vLLM use `tool_use` for a request with tools, when there is one, and `default` otherwise.
-        named = {t["name"]: t["template"] for t in template} if isinstance(template, list) else {"default": template}
-        if "default" not in named:
-            raise RuntimeError(f"{model_dir} names chat templates but none `default`: {sorted(named)}")
+        # transformers and vLLM use a model's `tool_use` template for a request with tools, `default` otherwise.
+        named = model.chat_templates
         self.templates = {name: env.from_string(source) for name, source in named.items()}
         self.content_parts = {name: _loops_over_content(env.parse(source)) for name, source in named.items()}
-
-    @cached_property
-    def eos_token_ids(self) -> list[int]:
-        ids = []
-        gen = self.model_dir / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        token = self.special.get("eos_token")
-        if token is not None and (tid := self.tokenizer.token_to_id(token)) is not None and tid not in ids:
-            ids.append(tid)
-        return ids
 
     def render(self, request: ChatCompletionRequest) -> Prompt:
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         name = "tool_use" if tools and "tool_use" in self.templates else "default"
-        messages = []
-        for i, m in enumerate(request.messages):
-            d = m.model_dump(exclude_none=True)
-            # A template that loops over a message's content gets it as text parts, whether it came as a string or
-            # as parts; any other gets one string (vLLM's "openai" and "string" content formats). A tool's result
-            # is one string either way, as vLLM passes it.
-            if self.content_parts[name] and m.role != "tool":
-                d["content"] = [{"type": "text", "text": t} for t in m.texts()]
-            else:
-                d["content"] = m.text() or ""
-            if "reasoning" in d:  # templates read either name (Qwen3's: reasoning_content); vLLM passes both
-                d["reasoning_content"] = d["reasoning"]
-            if m.tool_calls:
-                d["tool_calls"] = [
-                    _call_for_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
-                ]
-            messages.append(d)
-        # Tool definitions go to the template, which decides how the model sees them (as vLLM does).
+        messages = [self._message(m, i, self.content_parts[name]) for i, m in enumerate(request.messages)]
+        try:
+            text = self.templates[name].render(messages=messages, **self._context(request, tools))
+        except jinja2.exceptions.TemplateError as e:
+            raise BadRequest(f"The chat template could not render these messages: {e}", "messages") from e
+        if request.continue_final_message:
+            text = _cut_after_final(text, request.messages[-1], self.content_parts[name])
+        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
+        return Prompt(text=text, ids=ids)
+
+    @staticmethod
+    def _message(m: Message, i: int, as_parts: bool) -> dict[str, Any]:
+        """A message as templates read it, as vLLM hands it to them."""
+        d = m.model_dump(exclude_none=True)
+        # A template that loops over a message's content gets it as text parts, whether it came as a string or as
+        # parts; any other gets one string (vLLM's "openai" and "string" content formats). A tool's result is one
+        # string either way.
+        if as_parts and m.role != "tool":
+            d["content"] = [{"type": "text", "text": t} for t in m.texts()]
+        else:
+            d["content"] = m.text() or ""
+        if "reasoning" in d:  # templates read either name (Qwen3's: reasoning_content); vLLM passes both
+            d["reasoning_content"] = d["reasoning"]
+        if m.tool_calls:
+            d["tool_calls"] = [
+                _call_for_template(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
+            ]
+        return d
+
+    def _context(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The template's variables besides the messages. Tool definitions go to the template, which decides how the
+        model sees them (as vLLM does)."""
         context: dict[str, Any] = {
             **self.special,
             "tools": tools,
@@ -118,33 +103,9 @@ class Renderer:
             context["documents"] = request.documents
         kwargs = request.chat_template_kwargs or {}
         if "messages" in kwargs:
-            raise TemplateError("chat_template_kwargs cannot replace the messages.", "chat_template_kwargs")
+            raise BadRequest("chat_template_kwargs cannot replace the messages.", "chat_template_kwargs")
         # What the request gives the template wins over what chatq would, as in vLLM.
-        context.update(kwargs)
-        try:
-            text = self.templates[name].render(messages=messages, **context)
-        except jinja2.exceptions.TemplateError as e:
-            raise TemplateError(f"The chat template could not render these messages: {e}", "messages") from e
-        if request.continue_final_message:
-            # Cut the rendering right after the final message's text, leaving its turn open to be continued
-            # (what transformers' apply_chat_template does).
-            last = request.messages[-1]
-            if self.content_parts[name] and last.role != "tool":  # continued after its last text part, as there
-                parts = last.texts()
-                if not parts:
-                    raise TemplateError("The final message has no text to continue.", "continue_final_message")
-                final = parts[-1]
-            else:
-                final = last.text() or ""
-            final = final if final in text else final.strip()
-            if final not in text:
-                raise TemplateError(
-                    "The chat template does not show the final message verbatim, so it cannot be continued.",
-                    "continue_final_message",
-                )
-            text = text[: text.rindex(final) + len(final)]
-        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
-        return Prompt(text=text, ids=ids)
+        return context | kwargs
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A legacy completion's prompt: text is tokenized (with the model's special tokens unless told otherwise),
@@ -152,6 +113,25 @@ class Renderer:
         if isinstance(prompt, list):
             return list(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+
+def _cut_after_final(text: str, last: Message, as_parts: bool) -> str:
+    """The rendering cut right after the final message's text, leaving its turn open to be continued (what
+    transformers' apply_chat_template does); a message in parts is continued after its last part."""
+    if as_parts and last.role != "tool":
+        parts = last.texts()
+        if not parts:
+            raise BadRequest("The final message has no text to continue.", "continue_final_message")
+        final = parts[-1]
+    else:
+        final = last.text() or ""
+    final = final if final in text else final.strip()
+    if final not in text:
+        raise BadRequest(
+            "The chat template does not show the final message verbatim, so it cannot be continued.",
+            "continue_final_message",
+        )
+    return text[: text.rindex(final) + len(final)]
 
 
 def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
@@ -167,10 +147,10 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
-            raise RequestError(f"Tool call arguments are not valid JSON: {e}", f"{param}.function.arguments") from e
+            raise BadRequest(f"Tool call arguments are not valid JSON: {e}", f"{param}.function.arguments") from e
         except RecursionError as e:
             message = "Tool call arguments are nested too deeply to read."
-            raise RequestError(message, f"{param}.function.arguments") from e
+            raise BadRequest(message, f"{param}.function.arguments") from e
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import collector, keys
-from chatq.core.jobs import CLAIM
-from chatq.core.protocol import Event, EventKind, Job, JobStatus, error_body
+from chatq.core import collector, keys, scripts
+from chatq.core.errors import InternalError
+from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
@@ -106,26 +106,26 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
 @app.task(name=GENERATE_TASK)
 def generate(job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
-    r = _state.redis
-    claim_keys = (keys.job(job_id), keys.waiting(settings.model_name), keys.cancels(_state.name))
-    record = r.eval(CLAIM, len(claim_keys), *claim_keys, _state.name, time.time(), job_id)
+    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
     try:
-        job = Job.from_redis(dict(zip(record[::2], record[1::2], strict=True)))
+        job = Job.from_redis(record)
     except (ValueError, KeyError) as e:  # written by another version of chatq, say: the job ends, not hangs
         log.exception("job %s has a record this worker cannot read", job_id)
-        _fail_unreadable(_state, job_id, f"This worker cannot read the job's record ({type(e).__name__}).")
+        _fail_unreadable(
+            _state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
+        )
         return JobStatus.failed.value
     run = _state.runner.submit(job)
     run.done.wait()
     return run.status.value if run.status else "unknown"
 
 
-def _fail_unreadable(state: WorkerState, job_id: str, message: str) -> None:
-    error = error_body(message, "InternalServerError", 500)
-    events = [Event(seq=1, event=EventKind.error, data=error), Event(seq=2, event=EventKind.done)]
+def _fail_unreadable(state: WorkerState, job_id: str, error: InternalError) -> None:
+    body = error.body()
+    events = [Event(seq=1, event=EventKind.error, data=body), Event(seq=2, event=EventKind.done)]
     writes = StepWrites(
-        events=[(job_id, e) for e in events], ended=[JobEnd(job_id, JobStatus.failed, 0, error=error["error"])]
+        events=[(job_id, e) for e in events], ended=[JobEnd(job_id, JobStatus.failed, 0, error=body["error"])]
     )
     Publisher(state.redis, settings, state.name).flush(writes)

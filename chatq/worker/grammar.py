@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,14 +65,13 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        model_dir: Path,
+        tokenizer: Tokenizer,
         vocab_size: int,
         *,
         eos_token_ids: Sequence[int],
         cache_bytes: int = 256 << 20,
         threads: int = 2,
     ):
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
         # xgrammar treats an empty token as special (never allowed). Without this, control tokens such as

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from chatq.core.errors import BadRequest
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser
@@ -87,7 +88,7 @@ def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Gramma
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
     except (GrammarError, orjson.JSONDecodeError) as e:
-        raise RequestError(str(e), param) from e
+        raise BadRequest(str(e), param) from e
     return None
 
 

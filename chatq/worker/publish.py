@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -23,36 +22,12 @@ from typing import Any
 import orjson
 import redis
 
-from chatq.core import keys
-from chatq.core.jobs import PUBLISH_EVENTS, UPDATE_RECORD
-from chatq.core.protocol import Event, JobStatus
+from chatq.core import keys, scripts
+from chatq.core.job import Event, JobStatus
+from chatq.core.retry import Retry, transient
 from chatq.core.settings import Settings
 
 log = logging.getLogger(__name__)
-
-# What Redis says while it cannot take a step for now: unreachable, out of memory (until results expire), a replica
-# or a primary failing over, loading its data, busy in a script, or refusing writes since its last save to disk
-# failed. Anything else it refuses, such as a key of the wrong type, would never land, and waiting for it would
-# stall every job of the worker; such a command is logged and given up while the rest of its step stands, and a
-# stream that meets a later event of its job ends with an error at the gap (api/relay.py).
-RETRIED = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.MasterDownError,
-    redis.exceptions.TryAgainError,
-)
-# redis-py has no class for these, and words an error met inside a transaction "Command # 3 (SREM ...) of pipeline
-# caused error: MISCONF ...", so they are told by their code wherever it stands.
-TRANSIENT_CODES = re.compile(r"\b(MISCONF|BUSY|NOREPLICAS|LOADING|OOM|READONLY|MASTERDOWN|TRYAGAIN)\b")
-
-
-def retried(error: BaseException) -> bool:
-    """Whether a step that met this error is sent again until Redis takes it."""
-    return isinstance(error, RETRIED) or (
-        isinstance(error, redis.ResponseError) and TRANSIENT_CODES.search(str(error)) is not None
-    )
 
 
 @dataclass
@@ -89,16 +64,9 @@ class Publisher:
         if writes.events:
             # One script call instead of two commands per event: packing commands is most of a step's publish cost.
             # No MAXLEN on the log: a job's log is bounded by its tokens, and it expires with the job.
-            # EVAL, not a registered script: redis-py checks a pipeline's scripts with SCRIPT EXISTS before every
-            # execute, a second round trip per step; Redis caches the script by its hash either way.
-            event_keys: list[str] = []
-            args: list[str | bytes] = []
-            for job_id, event in writes.events:
-                event_keys += [keys.job(job_id), keys.events(job_id), keys.live(job_id)]
-                args += [f"0-{event.seq}", event.to_json()]
-            pipe.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
+            scripts.publish_events(pipe, writes.events)
         for job_id, tokens in writes.progress.items():
-            pipe.eval(UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), self.ttl, 0, "completion_tokens", tokens)
+            scripts.update_record(pipe, job_id, self.ttl, {"completion_tokens": tokens}, last=False)
         now = str(time.time())
         for end in writes.ended:
             fields: dict[str, str | bytes] = {
@@ -110,8 +78,7 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            record = (keys.job(end.job_id), keys.events(end.job_id))
-            pipe.eval(UPDATE_RECORD, 2, *record, self.ttl, 1, *(x for pair in fields.items() for x in pair))
+            scripts.update_record(pipe, end.job_id, self.ttl, fields, last=True)
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
@@ -122,7 +89,7 @@ class Publisher:
         results = pipe.execute(raise_on_error=False)
         errors = [r for r in results if isinstance(r, Exception)]
         for error in errors:
-            if retried(error):
+            if transient(error):
                 raise error  # the whole step is sent again: what already landed is skipped or written the same
         if errors:
             log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
@@ -151,6 +118,7 @@ class Outbox:
     def __init__(self, publisher: Publisher, *, threaded: bool, depth: int = 2):
         self.publisher = publisher
         self._closing = threading.Event()
+        self._retry = Retry(log, "Redis cannot take a step")
         self._queue: queue.Queue[tuple[StepWrites, Callable[[set[str]], None]] | None] = queue.Queue(depth)
         self._thread: threading.Thread | None = None
         if threaded:
@@ -177,22 +145,14 @@ class Outbox:
 
     def _write(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
         cancelled: set[str] = set()
-        delay = 0.1
-        while True:
-            try:
-                cancelled = self.publisher.flush(writes)
-                break
-            except Exception as e:
-                if not retried(e):
-                    log.exception("writing a step to Redis failed")
-                    break
-                # Sent again until Redis takes it: the step's events are skipped where they were already written.
-                if self._closing.is_set():
-                    log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
-                    break
-                log.warning("Redis cannot take a step (%s); writing it again in %.1f s", e, delay)
-                self._closing.wait(delay)
-                delay = min(2 * delay, 2.0)
+        try:
+            # Sent again until Redis takes it: the step's events are skipped where they were already written.
+            cancelled = self._retry.run(lambda: self.publisher.flush(writes), stop=self._closing)
+        except Exception as e:
+            if transient(e):
+                log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
+            else:
+                log.exception("writing a step to Redis failed")
         try:
             then(cancelled)
         except Exception:

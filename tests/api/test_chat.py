@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from chatq.core.protocol import ChatCompletionRequest
+from chatq.core.requests import ChatCompletionRequest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

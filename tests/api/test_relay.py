@@ -12,9 +12,8 @@ import redis
 import redis.asyncio as aioredis
 
 from chatq.api.relay import Relay
-from chatq.core import keys
-from chatq.core.jobs import PUBLISH_EVENTS
-from chatq.core.protocol import Event, EventKind
+from chatq.core import keys, scripts
+from chatq.core.job import Event, EventKind
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
 
@@ -26,13 +25,14 @@ def record(r: redis.Redis, job_id: str) -> None:
 
 def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
     """Events `seqs` of a job in the worker's format; `last` is its done event."""
-    args: list[str | bytes] = []
+    events = []
     for s in seqs:
         data = None if s == last else {"choices": [{"delta": {"content": f"t{s}"}}]}
-        args += [f"0-{s}", Event(s, EventKind.done if s == last else EventKind.chunk, data).to_json()]
+        events.append((job_id, Event(s, EventKind.done if s == last else EventKind.chunk, data)))
     record(r, job_id)  # the worker writes only the events of jobs that exist
-    event_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id)] * len(seqs)
-    r.eval(PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
+    pipe = r.pipeline(transaction=False)
+    scripts.publish_events(pipe, events)
+    pipe.execute()
 
 
 async def events(relay: Relay, job_id: str, after: int = 0) -> list[Event]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from chatq.core.errors import BadRequest
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -55,7 +56,7 @@ def test_regexes_in_the_grammar_engines_dialect_pass(pattern):
 )
 def test_regexes_the_grammar_engine_cannot_compile_are_refused(pattern, names):
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "structured_outputs": {"regex": pattern}})
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(BadRequest) as e:
         req.check()
     assert names in e.value.message and e.value.param == "structured_outputs"
 
@@ -85,7 +86,7 @@ def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
             "structured_outputs.disable_any_whitespace",
         ),
     ):
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(BadRequest) as e:
             ChatCompletionRequest.model_validate({"messages": MESSAGES, **extra}).check()
         assert e.value.param == param
 
@@ -96,7 +97,7 @@ def test_stream_options_that_ask_for_nothing_pass_without_stream():
     ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": None}
     ).check()
-    with pytest.raises(RequestError):
+    with pytest.raises(BadRequest):
         ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], stream_options={"include_usage": False}
         ).check()
@@ -115,7 +116,7 @@ def test_text_and_refusal_parts_join_into_the_message_text():
     )
     assert [m.text() for m in req.messages] == ["a\nb", "no", "hm\nc"]
     for part in ({"type": "text", "text": 5}, {"type": "refusal"}, {"type": "input_audio", "input_audio": {}}):
-        with pytest.raises(RequestError):
+        with pytest.raises(BadRequest):
             ChatCompletionRequest(messages=[{"role": "user", "content": [part]}]).messages[0].text()
 
 
@@ -139,7 +140,7 @@ def test_a_tool_schema_needs_to_be_enforceable_only_where_a_grammar_holds_it():
     for choice in ("auto", "none", {"type": "function", "function": {"name": "plain"}}):
         ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice).check()
     for choice in ("required", {"type": "function", "function": {"name": "tag"}}):
-        with pytest.raises(RequestError, match="cannot enforce uniqueItems") as e:
+        with pytest.raises(BadRequest, match="cannot enforce uniqueItems") as e:
             ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice).check()
         assert e.value.param == "tools.0.function.parameters"
 
@@ -158,7 +159,7 @@ def test_schema_bounds_that_hold_a_value_pass():
 
 def test_a_schema_given_as_text_is_read_as_strictly_as_a_body():
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(RequestError, match="not valid JSON") as e:
+    with pytest.raises(BadRequest, match="not valid JSON") as e:
         ChatCompletionRequest(messages=messages, structured_outputs={"json": '{"maximum": 1e400}'}).check()
     assert e.value.param == "structured_outputs"
 

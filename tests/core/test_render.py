@@ -7,8 +7,10 @@ import shutil
 
 import pytest
 
-from chatq.core.protocol import ChatCompletionRequest, RequestError
-from chatq.core.render import Renderer, TemplateError
+from chatq.core.errors import BadRequest
+from chatq.core.model_info import ModelInfo
+from chatq.core.render import Renderer
+from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 
 TEMPLATE = (
@@ -23,7 +25,7 @@ def renderer(tmp_path_factory) -> Renderer:
     d = tmp_path_factory.mktemp("model")
     shutil.copy(Settings().model_dir / "tokenizer.json", d / "tokenizer.json")
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    return Renderer(d)
+    return Renderer(ModelInfo.read("test-model", d, max_model_len=2048))
 
 
 def req(**kw) -> ChatCompletionRequest:
@@ -61,7 +63,7 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
         {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": calls},
     ]
     request = req(messages=messages, documents=[{"text": "Paris is sunny."}], reasoning_effort="low")
-    text = Renderer(tmp_path).render(request).text
+    text = Renderer(ModelInfo.read("test-model", tmp_path, max_model_len=2048)).render(request).text
     expected = 'CALL {"city": "Paris"}\nCALL {}\nTHOUGHT Look it up.=Look it up.\nDOC Paris is sunny.\nEFFORT low True'
     assert text == expected
 
@@ -70,7 +72,7 @@ def test_history_reaches_the_template_as_vllm_hands_it(tmp_path):
 def test_tool_call_arguments_that_are_not_json_are_a_request_error(renderer, arguments):
     call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(BadRequest) as e:
         renderer.render(req(messages=messages))
     assert e.value.param == "messages.1.tool_calls.0.function.arguments"
 
@@ -82,7 +84,7 @@ def test_continue_final_message_leaves_the_turn_open(renderer):
 
 
 def test_template_errors_are_request_errors(renderer):
-    with pytest.raises(TemplateError) as e:
+    with pytest.raises(BadRequest) as e:
         renderer.render(req(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]))
     assert "no tool turns" in e.value.message and e.value.param == "messages"
 
@@ -97,7 +99,7 @@ def test_add_special_tokens_adds_the_tokenizers_own(tmp_path):
     tok.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    r = Renderer(tmp_path)
+    r = Renderer(ModelInfo.read("test-model", tmp_path, max_model_len=2048))
     # Chat: off by default, as in vLLM, since templates write their own BOS.
     assert r.render(req()).ids[0] != bos
     assert r.render(req(add_special_tokens=True)).ids == [bos, *r.render(req()).ids]
@@ -110,7 +112,7 @@ def test_add_special_tokens_adds_the_tokenizers_own(tmp_path):
 def test_chat_template_kwargs_win_over_what_chatq_passes(renderer):
     # As in vLLM, the request's kwargs are applied last: here the generation prompt is switched off by them.
     assert renderer.render(req(chat_template_kwargs={"add_generation_prompt": False})).text == "<user>Hi</user>\n"
-    with pytest.raises(TemplateError):
+    with pytest.raises(BadRequest):
         renderer.render(req(chat_template_kwargs={"messages": []}))
 
 
@@ -123,7 +125,7 @@ def test_a_model_with_named_templates_uses_tool_use_for_requests_with_tools(tmp_
     ]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
-    renderer = Renderer(tmp_path)
+    renderer = Renderer(ModelInfo.read("test-model", tmp_path, max_model_len=2048))
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert renderer.render(req(messages=messages)).text == "PLAIN hi"
@@ -133,7 +135,7 @@ def test_a_model_with_named_templates_uses_tool_use_for_requests_with_tools(tmp_
 def renderer_of(tmp_path, template: str) -> Renderer:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     (tmp_path / "tokenizer.json").write_bytes((Settings().model_dir / "tokenizer.json").read_bytes())
-    return Renderer(tmp_path)
+    return Renderer(ModelInfo.read("test-model", tmp_path, max_model_len=2048))
 
 
 PARTS = "{% for m in messages %}<{{ m.role }}>{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"
@@ -160,7 +162,7 @@ def test_a_template_that_prints_content_gets_one_string(tmp_path):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert renderer.render(req(messages=[{"role": "user", "content": parts}])).text == "<a\nb>"
     # The default model's template is one of these.
-    assert Renderer(Settings().model_dir).content_parts == {"default": False}
+    assert Renderer(ModelInfo.read("SmolLM2", Settings().model_dir)).content_parts == {"default": False}
 
 
 def test_a_final_message_given_as_parts_is_continued_after_its_last_part(tmp_path):
@@ -169,7 +171,7 @@ def test_a_final_message_given_as_parts_is_continued_after_its_last_part(tmp_pat
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
     prompt = renderer.render(req(messages=messages, continue_final_message=True, add_generation_prompt=False))
     assert prompt.text == "<user>[Hi]<assistant>[Yo][there"
-    with pytest.raises(TemplateError):
+    with pytest.raises(BadRequest):
         messages[-1]["content"] = []
         renderer.render(req(messages=messages, continue_final_message=True, add_generation_prompt=False))
 

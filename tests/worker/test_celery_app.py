@@ -6,15 +6,15 @@ import threading
 import time
 
 import redis
-from tokenizers import Tokenizer
 
 from bench.zero_engine import ZeroEngine
 from chatq.core import keys
-from chatq.core.protocol import ChatCompletionRequest, Job
-from chatq.core.settings import Settings
+from chatq.core.job import Job
+from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.celery_app import WorkerState, beat
 from chatq.worker.publish import Publisher
 from chatq.worker.runner import Runner
+from tests.helpers import model_info
 
 
 class HangingEngine(ZeroEngine):
@@ -31,10 +31,9 @@ class HangingEngine(ZeroEngine):
 
 def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(settings, r):
     settings = settings.model_copy(update={"model_name": "model-of-a-hanging-worker", "step_timeout": 0.3})
-    tokenizer = Tokenizer.from_file(str(Settings().model_dir / "tokenizer.json"))
     engine = HangingEngine(token_id=5)
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    runner = Runner(lambda: engine, tokenizer, [2], Publisher(client, settings, "hanging"), 10**7, settings=settings)
+    runner = Runner(lambda: engine, model_info(10**7, (2,)), Publisher(client, settings, "hanging"), settings=settings)
     state = WorkerState(client, runner, "hanging")
     registry = keys.workers(settings.model_name)
     runner.start()

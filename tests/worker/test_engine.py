@@ -7,14 +7,15 @@ import inspect
 import pytest
 import torch
 
-from chatq.core.protocol import ChatCompletionRequest
 from chatq.core.render import Renderer
+from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker import sampler
 from chatq.worker.engine import Engine, Finish, Sequence
 from chatq.worker.grammar import GrammarCompiler, GrammarState
 from chatq.worker.model import load_model
 from chatq.worker.sampler import SamplingParams
+from tests.helpers import model_info
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -33,7 +34,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    r = Renderer(Settings().model_dir)
+    r = Renderer(model_info())
     return [r.render(ChatCompletionRequest(messages=[{"role": "user", "content": q}])).ids for q in QUESTIONS]
 
 
@@ -206,7 +207,7 @@ def test_a_sequence_whose_sampling_fails_ends_alone(model, prompts, reference, m
 
 
 def test_a_sequence_whose_grammar_fails_ends_alone(model, prompts, reference):
-    compiler = GrammarCompiler(Settings().model_dir, model.config.vocab_size, eos_token_ids=[2])
+    compiler = GrammarCompiler(model_info().tokenizer, model.config.vocab_size, eos_token_ids=[2])
     state = GrammarState(compiler.json_object())
     calls = 0
 

@@ -14,12 +14,13 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
 
-from chatq.core.protocol import ChatCompletionRequest, RequestError
-from chatq.core.render import Renderer
+from chatq.core.errors import BadRequest
+from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
 from chatq.worker.plan import grammar_for
 from chatq.worker.sampler import Row, SamplingParams, sample
+from tests.helpers import model_info
 
 MODEL_DIR = Settings().model_dir
 VOCAB = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
@@ -74,7 +75,8 @@ NUMBER: /[0-9]+/
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    return GrammarCompiler(MODEL_DIR, VOCAB, eos_token_ids=Renderer(MODEL_DIR).eos_token_ids)
+    info = model_info()
+    return GrammarCompiler(info.tokenizer, VOCAB, eos_token_ids=info.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +435,7 @@ def test_the_api_refuses_exactly_the_regexes_the_grammar_engine_cannot_compile(p
     try:
         req.check()
         refused = False
-    except RequestError:
+    except BadRequest:
         refused = True
     try:
         xgr.Grammar.from_regex(pattern)
@@ -451,7 +453,7 @@ def test_octal_escapes_are_refused_because_the_grammar_engine_reads_them_otherwi
         req = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": pattern}}
         )
-        with pytest.raises(RequestError, match="octal escapes"):
+        with pytest.raises(BadRequest, match="octal escapes"):
             req.check()
 
 
@@ -463,5 +465,5 @@ def test_string_anchors_are_refused_because_the_grammar_engine_reads_them_as_let
     req = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": r"\A\d+\Z"}}
     )
-    with pytest.raises(RequestError, match="string anchors"):
+    with pytest.raises(BadRequest, match="string anchors"):
         req.check()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from chatq.core.protocol import ChatCompletionRequest, RequestError
-from chatq.worker.build import generation_defaults
+from chatq.core.errors import BadRequest
+from chatq.core.model_info import sampling_defaults
+from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.grammar import GrammarError
 from chatq.worker.plan import grammar_for, sampling_params
 
@@ -23,8 +22,7 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path):
         "repetition_penalty": 1.1,
         "bos_token_id": 1,
     }
-    (tmp_path / "generation_config.json").write_text(json.dumps(config))
-    defaults = generation_defaults(tmp_path)
+    defaults = sampling_defaults(config)
     (p,) = sampling_params(ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), defaults)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
 
@@ -33,9 +31,7 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path):
     body = {"messages": MESSAGES, "temperature": 0.0, "min_p": 0.0, "repetition_penalty": None, "top_k": None}
     (p,) = sampling_params(ChatCompletionRequest.model_validate(body), 10, frozenset({2}), defaults)
     assert (p.temperature, p.min_p, p.repetition_penalty, p.top_k) == (0.0, 0.0, 1.1, 20)
-    (p,) = sampling_params(
-        ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), generation_defaults(tmp_path / "none")
-    )
+    (p,) = sampling_params(ChatCompletionRequest(messages=MESSAGES), 10, frozenset({2}), sampling_defaults({}))
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
 
 
@@ -56,6 +52,6 @@ def test_a_grammar_that_cannot_compile_is_reported_against_the_field_that_asked_
     ]
     for fields, param in asks:
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(BadRequest) as e:
             grammar_for(req, Refusing())  # type: ignore[arg-type]
         assert e.value.param == param, fields

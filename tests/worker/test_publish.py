@@ -10,9 +10,8 @@ import time
 import pytest
 import redis
 
-from chatq.core import keys
-from chatq.core.jobs import CLAIM
-from chatq.core.protocol import Event, EventKind, JobStatus
+from chatq.core import keys, scripts
+from chatq.core.job import Event, EventKind, JobStatus
 from chatq.embedded_redis import EmbeddedRedis
 from chatq.worker.publish import JobEnd, Outbox, Publisher, StepWrites
 from tests.helpers import cancel_job
@@ -52,10 +51,9 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
         assert 0 < r.ttl(key) <= 30
 
 
-def claim(r: redis.Redis, job_id: str, worker: str) -> list[str]:
-    """As worker.celery_app's task claims a job."""
-    claim_keys = (keys.job(job_id), keys.waiting("m"), keys.cancels(worker))
-    return r.eval(CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id)  # type: ignore[return-value]
+def claim(r: redis.Redis, job_id: str, worker: str) -> dict[str, str]:
+    """As chatq.worker.celery_app's task claims a job."""
+    return scripts.claim(r, job_id, "m", worker)
 
 
 def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):

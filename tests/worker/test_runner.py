@@ -14,20 +14,22 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.zero_engine import ZeroEngine
-from chatq.api.errors import JobNotFound
 from chatq.api.jobs import JobStore
 from chatq.core import keys
 from chatq.core.delta import Delta
-from chatq.core.protocol import ChatCompletionRequest, CompletionRequest, EventKind, Job, JobStatus
+from chatq.core.errors import JobNotFound
+from chatq.core.job import EventKind, Job, JobStatus
 from chatq.core.queue import make_celery
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
-from chatq.worker import runner as runner_module
+from chatq.worker import jobrun as jobrun_module
 from chatq.worker.engine import Finish, Output
 from chatq.worker.grammar import GrammarCompiler
+from chatq.worker.jobrun import Decoder, JobRun
 from chatq.worker.publish import Publisher
-from chatq.worker.runner import Decoder, JobRun, Runner
+from chatq.worker.runner import Runner
 from chatq.worker.sampler import TokenLogprob
-from tests.helpers import cancel_job
+from tests.helpers import cancel_job, model_info
 
 WORKER = "runner-test@host"
 
@@ -47,7 +49,7 @@ def ids(decoder: Decoder, text: str) -> list[int]:
 
 
 def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
-    run = JobRun(job(stream=True), decoder, eos_ids=[2], max_model_len=100, settings=Settings())
+    run = JobRun(job(stream=True), model_info(100, (2,)), decoder, settings=Settings())
     events = run.start()
     choice = run.choices[0]
     for t in ids(decoder, "Hello there"):
@@ -70,9 +72,8 @@ def test_generation_error_mid_stream_sends_an_error_then_done(decoder):
 def test_each_choice_finishes_once_and_usage_comes_last(decoder):
     run = JobRun(
         job(n=2, temperature=1.0, stream=True, stream_options={"include_usage": True}),
+        model_info(100, (2,)),
         decoder,
-        eos_ids=[2],
-        max_model_len=100,
         settings=Settings(),
     )
     events = run.start()
@@ -95,7 +96,9 @@ def test_each_choice_finishes_once_and_usage_comes_last(decoder):
 
 def test_running_usage_counts_the_chunks_own_choice(decoder):
     opts = {"include_usage": True, "continuous_usage_stats": True}
-    run = JobRun(job(n=2, temperature=1.0, stream=True, stream_options=opts), decoder, [2], 100, settings=Settings())
+    run = JobRun(
+        job(n=2, temperature=1.0, stream=True, stream_options=opts), model_info(100, (2,)), decoder, settings=Settings()
+    )
     events = run.start()
     for c in run.choices:  # choice 0 ends before choice 1 starts: their counts must not mix
         for t in ids(decoder, " one two"):
@@ -127,9 +130,8 @@ def test_legacy_echo_is_the_prompt_as_sent_and_top_logprobs_hold_the_sampled_tok
     request = CompletionRequest(prompt=prompt, echo=True, logprobs=1, stream=False)
     run = JobRun(
         Job(id="cmpl-test", model="m", request=request, prompt_ids=ids(decoder, prompt)),
+        model_info(100, (2,)),
         decoder,
-        [2],
-        100,
         settings=Settings(),
     )
     run.start()
@@ -143,7 +145,7 @@ def test_legacy_echo_is_the_prompt_as_sent_and_top_logprobs_hold_the_sampled_tok
 
 
 def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple[list, dict]:
-    run = JobRun(job(**fields), decoder, eos_ids=[2], max_model_len=200, settings=settings)
+    run = JobRun(job(**fields), model_info(200, (2,)), decoder, settings=settings)
     events = run.start()
     c = run.choices[0]
     for t in [*ids(decoder, text), 2]:
@@ -233,14 +235,13 @@ def test_streamed_usage_counts_reasoning_like_the_answer(decoder):
 
 
 def test_a_grammar_holds_what_follows_the_reasoning_not_the_reasoning(decoder):
-    model_dir = Settings().model_dir
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    compiler = GrammarCompiler(model_dir, vocab, eos_token_ids=[2])
+    info = model_info()
+    compiler = GrammarCompiler(info.tokenizer, info.vocab_size, eos_token_ids=[2])
     settings = Settings(reasoning_parser="qwen3")
 
     def started(**fields) -> JobRun:
         fields = {"response_format": {"type": "json_object"}, **fields}
-        run = JobRun(job(**fields), decoder, [2], 200, settings=settings, compiler=compiler)
+        run = JobRun(job(**fields), model_info(200, (2,)), decoder, settings=settings, compiler=compiler)
         run.start()
         return run
 
@@ -291,15 +292,13 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
     engine = ZeroEngine(token)
     runner = Runner(
         lambda: engine,
-        decoder.tokenizer,
-        [2],
+        model_info(10**7, (2,)),  # room for the job that only a cancel ends
         Publisher(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings, WORKER),
-        10**7,  # room for the job that only a cancel ends
         settings=settings,
     )
     names = ("good", "bad", "broken", "unfinished", "cancelled", "stopped", "unencodable")
     good, bad, broken, unfinished, cancelled, stopped, unencodable = (f"chatcmpl-runner-{name}" for name in names)
-    handle, make_plan, finish = JobRun.on_output, runner_module.plan, JobRun._end
+    handle, make_plan, finish = JobRun.on_output, jobrun_module.plan, JobRun._end
 
     def on_output(self: JobRun, choice, out):
         # A parser bug, hit by one job's third token and by another's first, whose stop string it had just found.
@@ -323,7 +322,7 @@ def test_a_job_whose_output_handling_fails_ends_alone(decoder, settings, r, monk
 
     monkeypatch.setattr(JobRun, "on_output", on_output)
     monkeypatch.setattr(JobRun, "_end", end)
-    monkeypatch.setattr(runner_module, "plan", plan)
+    monkeypatch.setattr(jobrun_module, "plan", plan)
     jobs = [
         job(stream=True, max_tokens=6, user=job_id).model_copy(update={"id": job_id})
         for job_id in (good, bad, broken, unfinished)
@@ -393,9 +392,7 @@ def test_a_cancel_takes_effect_at_the_next_step(decoder, settings, r, threaded):
     if threaded:  # the runner then writes steps from its outbox thread, as on a GPU
         engine.device = torch.device("cuda")
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    runner = Runner(
-        lambda: engine, decoder.tokenizer, [2], Publisher(client, settings, WORKER), 10**7, settings=settings
-    )
+    runner = Runner(lambda: engine, model_info(10**7, (2,)), Publisher(client, settings, WORKER), settings=settings)
     j = job(stream=True, max_tokens=10**6).model_copy(update={"id": f"chatcmpl-runner-next-step-{threaded}"})
     r.hset(keys.job(j.id), mapping=j.to_redis() | {"status": "in_progress", "worker": WORKER})
 
@@ -454,7 +451,10 @@ def test_legacy_text_offsets_are_where_each_token_begins_streamed_or_not(decoder
     for stream in (False, True):
         request = CompletionRequest(prompt="x", logprobs=0, stream=stream, stop=stop)
         run = JobRun(
-            Job(id="cmpl-t", model="m", request=request, prompt_ids=[1]), decoder, [2], 100, settings=Settings()
+            Job(id="cmpl-t", model="m", request=request, prompt_ids=[1]),
+            model_info(100, (2,)),
+            decoder,
+            settings=Settings(),
         )
         events, result = feed_all(run, ids(decoder, text), Finish.length, logprobs=True)
         if stream:
@@ -471,7 +471,12 @@ def test_legacy_text_offsets_are_where_each_token_begins_streamed_or_not(decoder
 def test_a_stop_token_shows_in_the_text_when_stops_are_asked_for_and_is_named(decoder):
     period = ids(decoder, ".")[0]
     tokens = [*ids(decoder, "Hi there"), period]
-    run = JobRun(job(stop_token_ids=[period], include_stop_str_in_output=True), decoder, [2], 200, settings=Settings())
+    run = JobRun(
+        job(stop_token_ids=[period], include_stop_str_in_output=True),
+        model_info(200, (2,)),
+        decoder,
+        settings=Settings(),
+    )
     _, result = feed_all(run, tokens, Finish.stop)
     choice = result["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (
@@ -480,7 +485,7 @@ def test_a_stop_token_shows_in_the_text_when_stops_are_asked_for_and_is_named(de
         period,
     )
     # EOS asked for as a stop token while EOS itself is ignored: it is the request's stop, and named.
-    run = JobRun(job(stop_token_ids=[2], ignore_eos=True), decoder, [2], 200, settings=Settings())
+    run = JobRun(job(stop_token_ids=[2], ignore_eos=True), model_info(200, (2,)), decoder, settings=Settings())
     _, result = feed_all(run, [*ids(decoder, "Hi there"), 2], Finish.stop)
     choice = result["choices"][0]
     assert (choice["message"]["content"], choice["stop_reason"]) == ("Hi there", 2)

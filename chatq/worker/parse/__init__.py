@@ -8,18 +8,25 @@ field by field, equal the whole parsed message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from chatq.core.delta import Delta, ToolCallDelta
 
 
-class Parser(Protocol):
-    def feed(self, text: str) -> Delta: ...
+class Parser:
+    @property
+    def thinking(self) -> bool:
+        """Whether it is inside a thought whose end has not come yet (only a reasoning parser ever is)."""
+        return False
 
-    def finish(self) -> Delta: ...
+    def feed(self, text: str) -> Delta:
+        raise NotImplementedError
+
+    def finish(self) -> Delta:
+        raise NotImplementedError
 
 
-class ContentParser:
+class ContentParser(Parser):
     """Plain text: everything is content."""
 
     def feed(self, text: str) -> Delta:

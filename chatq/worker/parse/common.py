@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from chatq.core.delta import Delta, ToolCallDelta
+from chatq.worker.parse import Parser
 
 
 def new_call_id() -> str:
@@ -71,7 +72,7 @@ def call_from_json(obj: Any, index: int, tool_names: set[str] | None, *, args_re
     return ToolCallDelta(index=index, id=new_call_id(), name=name, arguments=arguments)
 
 
-class WholeOutputCalls:
+class WholeOutputCalls(Parser):
     """Formats where the whole output is the calls: text that cannot start a call streams as content at once;
     text that can is held until finish(), since only the whole text tells calls from content that looks alike.
     Subclasses say what may start a call and how to read the calls."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 from chatq.core.delta import Delta, ToolCallDelta
+from chatq.worker.parse import Parser
 from chatq.worker.parse.common import arguments_json, new_call_id
 
 
-class NamedToolParser:
+class NamedToolParser(Parser):
     def __init__(self, name: str):
         self.name = name
         self.started = False
@@ -27,7 +28,7 @@ class NamedToolParser:
         return Delta() if self.started else self.feed("")
 
 
-class RequiredToolParser:
+class RequiredToolParser(Parser):
     def __init__(self) -> None:
         self.text = ""
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 
 from chatq.core.delta import Delta, ToolCallDelta
+from chatq.worker.parse import Parser
 from chatq.worker.parse.common import call_from_json, partial_tag_len
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesParser:
+class HermesParser(Parser):
     def __init__(self, tool_names: set[str] | None = None):
         self.tool_names = tool_names
         self.index = 0  # index of the next call

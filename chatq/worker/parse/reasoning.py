@@ -7,7 +7,7 @@ from chatq.worker.parse import Parser
 from chatq.worker.parse.common import partial_tag_len
 
 
-class ReasoningParser:
+class ReasoningParser(Parser):
     """Text before the end tag is reasoning; text after it goes through `inner`.
 
     The start tag is optional because some chat templates (deepseek_r1) put it in the prompt. With no end tag
@@ -21,6 +21,10 @@ class ReasoningParser:
         # "start": may still see the start tag; "reasoning": inside the thought; "content": after it.
         self.state = "start" if thinking_enabled else "content"
         self.buf = ""  # held back: a possible start tag, or a possible partial end tag
+
+    @property
+    def thinking(self) -> bool:
+        return self.state != "content"
 
     def feed(self, text: str) -> Delta:
         if self.state == "content":

@@ -23,7 +23,7 @@ TOOL_PARSERS: dict[str, ToolParserClass] = {
 }
 
 
-class FirstCallOnly:
+class FirstCallOnly(Parser):
     """parallel_tool_calls=false under tool_choice "auto": the model's first call is kept and any later one dropped,
     as vLLM does; a tool parser itself accepts however many the model writes."""
 

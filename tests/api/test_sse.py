@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from chatq.api.app import EventStream, KeepAlive
+from chatq.api.sse import EventStream, KeepAlive
 
 
 async def forever() -> None:
@@ -45,7 +45,7 @@ def test_a_client_that_stops_reading_is_dropped_once_a_keep_alive_cannot_be_sent
         await asyncio.wait_for(stream({"type": "http", "method": "GET"}, receive, send), 10)
         return closed.is_set(), len(sent)
 
-    with caplog.at_level(logging.WARNING, logger="chatq.api.app"):
+    with caplog.at_level(logging.WARNING, logger="chatq.api.sse"):
         closed, sends = asyncio.run(main())
     assert closed  # the relay behind the stream was closed, and so its subscription
     assert sends >= 3

@@ -1,205 +1,18 @@
-"""Wire types shared by the API and the workers: the HTTP request body, the job record and the event envelope."""
+"""The HTTP request bodies: chat completions, legacy completions, tokenize and detokenize."""
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import time
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chatq.core import regex_dialect
-
-
-def _check_schema(schema: Any, param: str, constrains: bool = True) -> None:
-    """A JSON schema must be valid JSON Schema that the worker's grammar engine can compile, so a bad one is a 400
-    here and never a failed job; one that will constrain the output (`constrains`) must also use only what the
-    grammar engine enforces."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
-    if not isinstance(schema, dict):
-        raise RequestError("A JSON schema must be an object.", param)
-    try:
-        Draft202012Validator.check_schema(schema)
-        found = _schema_problem(schema, schema, constrains)
-    except SchemaError as e:
-        raise RequestError(f"Invalid JSON schema: {e.message}", param) from e
-    except RecursionError as e:
-        raise RequestError("The JSON schema is nested too deeply.", param) from e
-    if found is not None:
-        raise RequestError(f"Invalid JSON schema: {found}", param)
-
-
-_BOUNDS = (
-    ("minimum", "maximum"),
-    ("minLength", "maxLength"),
-    ("minItems", "maxItems"),
-    ("minProperties", "maxProperties"),
-)
-_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-# Keywords xgrammar compiles without enforcing them (it logs a warning and then allows what they forbid): an answer
-# would come back "stop" and not match its schema. Refused, as nothing else here can hold an answer to them.
-_UNENFORCED = (
-    "not",
-    "if",
-    "uniqueItems",
-    "contains",
-    "minContains",
-    "maxContains",
-    "dependentRequired",
-    "dependentSchemas",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-)
-# Where a schema holds schemas: name -> schema maps, lists of schemas, single schemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
-
-
-def _subschemas(node: dict[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            out += node[key].values()
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            out += node[key]
-    out += [node[key] for key in _SCHEMA_ONE if key in node]
-    return out
-
-
-def _range_problem(node: dict[str, Any]) -> str | None:
-    """Numeric bounds the grammar engine refuses: an integer's that are not whole or beyond 64 bits, and a range
-    (exclusive ends included) that holds no value."""
-    bounds = {k: node[k] for k in _NUMERIC if isinstance(node.get(k), int | float) and not isinstance(node[k], bool)}
-    if not bounds:
-        return None
-    declared = node.get("type")
-    types: list[Any] = declared if isinstance(declared, list) else [declared]
-    integer = "integer" in types and "number" not in types
-    if integer:
-        for key, value in bounds.items():
-            if not math.isfinite(value) or value != int(value):
-                return f"an integer's {key} must be a whole number, not {value}"
-            if not -(2**63) <= value < 2**63:
-                return f"an integer's {key} ({value}) is beyond 64 bits"
-    lows = [(bounds[k], k.startswith("exclusive")) for k in ("minimum", "exclusiveMinimum") if k in bounds]
-    highs = [(bounds[k], k.startswith("exclusive")) for k in ("maximum", "exclusiveMaximum") if k in bounds]
-    if not lows or not highs:
-        return None
-    a, a_open = max(lows)  # the stricter of equal bounds is the exclusive one
-    b, b_open = min(highs, key=lambda h: (h[0], not h[1]))
-    if integer:
-        a, b = (a + 1 if a_open else a), (b - 1 if b_open else b)
-        empty = a > b
-    else:
-        empty = a > b or (a == b and (a_open or b_open))
-    return "the bounds leave no value" if empty else None
-
-
-def _schema_problem(node: Any, root: dict[str, Any], constrains: bool = True) -> str | None:
-    """What in a schema valid as JSON Schema the grammar engine cannot compile or would not enforce: a regex outside
-    its dialect, a `$ref` to nothing, an empty `enum`, bounds that nothing satisfies, a keyword it ignores.
-    jsonschema checks none of these. Walked schema by schema, so a property named like a keyword is just a name."""
-    if not isinstance(node, dict):
-        return None
-    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-    if isinstance(node.get("patternProperties"), dict):
-        patterns += list(node["patternProperties"])
-    for pattern in patterns:
-        try:
-            found = regex_dialect.problem(pattern)
-        except (re.error, OverflowError) as e:
-            return f"the pattern {pattern!r} is not a valid regex ({e})"
-        if found is not None:
-            return f"the pattern {pattern!r} uses {found}, which the grammar engine does not support"
-    ref = node.get("$ref")
-    if isinstance(ref, str) and _resolve(ref, root) is None:
-        return f"$ref {ref!r} points to nothing in the schema (only local references, #/..., are followed)"
-    if isinstance(ref, str) and _ref_loop(node, root):
-        return f"$ref {ref!r} leads through references back to itself without reaching a schema"
-    if node.get("enum") == []:
-        return "an empty enum allows no value"
-    for low, high in _BOUNDS:
-        a, b = node.get(low), node.get(high)
-        if isinstance(a, int | float) and isinstance(b, int | float) and a > b:
-            return f"{low} ({a}) is greater than {high} ({b})"
-    if found := _range_problem(node):
-        return found
-    unenforced = [k for k in _UNENFORCED if k in node and not (k == "uniqueItems" and node[k] is False)]
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        unenforced.append("allOf with more than one schema")
-    if unenforced and constrains:
-        return f"the grammar engine cannot enforce {', '.join(unenforced)}"
-    return next((p for p in (_schema_problem(v, root, constrains) for v in _subschemas(node)) if p), None)
-
-
-def _ref_loop(node: dict[str, Any], root: dict[str, Any]) -> bool:
-    """Whether following `$ref` from this node comes back to a node already passed: a schema that is only
-    references to itself (`{"$ref": "#"}`), which describes no value."""
-    seen: list[int] = []
-    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
-        if id(node) in seen:
-            return True
-        seen.append(id(node))
-        node = _resolve(node["$ref"], root)
-    return False
-
-
-def _resolve(ref: str, root: dict[str, Any]) -> Any:
-    """The part of the schema a local `$ref` (a JSON pointer after '#') names; None if there is none."""
-    if not ref.startswith("#"):
-        return None
-    node: Any = root
-    for step in filter(None, ref[1:].split("/")):
-        step = step.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and step in node:
-            node = node[step]
-        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
-            node = node[int(step)]
-        else:
-            return None
-    return node
-
-
-def _check_regex(pattern: str) -> None:
-    """The regex must be one the worker's grammar engine compiles and reads as Python does, so a bad one is a 400
-    here and never a failed (or wrongly constrained) job."""
-    try:
-        found = regex_dialect.problem(pattern)
-    except (re.error, OverflowError) as e:
-        raise RequestError(f"Invalid regex in structured_outputs: {e}", "structured_outputs") from e
-    except RecursionError as e:
-        raise RequestError("structured_outputs.regex is nested too deeply.", "structured_outputs") from e
-    if found is not None:
-        raise RequestError(
-            f"structured_outputs.regex uses {found}, which the grammar engine does not support.", "structured_outputs"
-        )
-
-
-# --- the HTTP request ---------------------------------------------------------------------------------
+from chatq.core.errors import BadRequest
+from chatq.core.schemas import check_regex, check_schema
 
 
 def _nullable(annotation: Any) -> bool:
     return annotation is None or type(None) in get_args(annotation)
-
-
-class RequestError(ValueError):
-    """A request field is invalid; `param` names it, as OpenAI's error object does."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 # Content part type -> the key holding its text.
@@ -249,9 +62,9 @@ class Message(BaseModel):
             # turn's refusal and thinking.
             key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
             if key is None:
-                raise RequestError(f"Content part type {kind!r} is not supported", "messages")
+                raise BadRequest(f"Content part type {kind!r} is not supported", "messages")
             if not isinstance(part.get(key), str):
-                raise RequestError(f"A {kind} content part needs its `{key}` as a string.", "messages")
+                raise BadRequest(f"A {kind} content part needs its `{key}` as a string.", "messages")
             texts.append(part[key])
         return texts
 
@@ -379,17 +192,17 @@ class GenerationRequest(BaseModel):
         return self.temperature is not None and self.temperature < 1e-5
 
     def check(self) -> None:
-        """Checks beyond single-field types; raises RequestError naming the offending param."""
+        """Checks beyond single-field types; raises BadRequest naming the offending param."""
         extra = self.model_extra or {}
         for name, harmless in UNSUPPORTED_FIELDS.items():
             value = extra.get(name)
             asks_nothing = value in (None, [], {}) or value == harmless or harmless is None and value is False
             if not asks_nothing:
-                raise RequestError(f"`{name}` is not supported by this server", name)
+                raise BadRequest(f"`{name}` is not supported by this server", name)
 
         def need(ok: bool, message: str, param: str) -> None:
             if not ok:
-                raise RequestError(message, param)
+                raise BadRequest(message, param)
 
         need(self.temperature is None or 0 <= self.temperature <= 2, "temperature must be in [0, 2]", "temperature")
         need(self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
@@ -440,7 +253,7 @@ class GenerationRequest(BaseModel):
 
         bad = [key for key in self.logit_bias or {} if not ok(key)]
         if bad:
-            raise RequestError(
+            raise BadRequest(
                 f"logit_bias keys must be token ids in 0..{vocab_size - 1}; invalid: {', '.join(map(repr, bad))}",
                 "logit_bias",
             )
@@ -556,20 +369,20 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None:
             # vLLM's rule: 0 (its default) asks for nothing, so it needs no logprobs.
             if self.top_logprobs != 0 and not self.logprobs:
-                raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+                raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise RequestError(
+                raise BadRequest(
                     f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
                 )
         self._check_tools()
         self._check_structured()
         if self.continue_final_message and self.add_generation_prompt:
-            raise RequestError(
+            raise BadRequest(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise RequestError(
+            raise BadRequest(
                 "`continue_final_message` needs the last message to be an assistant message.", "continue_final_message"
             )
         for m in self.messages:
@@ -577,63 +390,63 @@ class ChatCompletionRequest(GenerationRequest):
 
     def _check_tools(self) -> None:
         if self.tools is not None and not self.tools:
-            raise RequestError("`tools` must not be an empty list; leave it out instead.", "tools")
+            raise BadRequest("`tools` must not be an empty list; leave it out instead.", "tools")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise RequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+            raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.get("name")
             if name not in {t.function.name for t in self.tools or []}:
-                raise RequestError(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+                raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
         forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
         for i, tool in enumerate(self.tools or []):
             # Only `required` and a named tool put a tool's parameters under a grammar; offered under `auto`, a
             # schema the grammar engine would not enforce is the model's and the client's business, as in vLLM.
             constrains = self.tool_choice == "required" or tool.function.name == forced
-            _check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
+            check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
 
     def _check_structured(self) -> None:
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise RequestError(
+                raise BadRequest(
                     "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
                 )
-            _check_schema(fmt.json_schema.schema_, "response_format")
+            check_schema(fmt.json_schema.schema_, "response_format")
         so = self.structured_outputs
         if so is not None:
             for name, value in (so.model_extra or {}).items():
                 if value is not None and value is not False:
-                    raise RequestError(
+                    raise BadRequest(
                         f"`structured_outputs.{name}` is not supported by this server", f"structured_outputs.{name}"
                     )
             kinds = so.kinds()
             if len(kinds) != 1:
-                raise RequestError(
+                raise BadRequest(
                     "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
                 )
             if isinstance(self.tool_choice, NamedToolChoice):
-                raise RequestError(
+                raise BadRequest(
                     "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
                 )
             if fmt is not None and fmt.type != "text":
-                raise RequestError(
+                raise BadRequest(
                     "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
                 )
             if so.regex is not None:
-                _check_regex(so.regex)
+                check_regex(so.regex)
             if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
-                raise RequestError("structured_outputs.choice needs non-empty strings.", "structured_outputs")
+                raise BadRequest("structured_outputs.choice needs non-empty strings.", "structured_outputs")
             if so.grammar is not None and not so.grammar.strip():
-                raise RequestError("structured_outputs.grammar must not be empty.", "structured_outputs")
+                raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
             if isinstance(so.json_, str):
                 try:
                     # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
                     schema = orjson.loads(so.json_)
                 except ValueError as e:
-                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
-                _check_schema(schema, "structured_outputs")
+                    raise BadRequest(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
+                check_schema(schema, "structured_outputs")
             elif so.json_ is not None:
-                _check_schema(so.json_, "structured_outputs")
+                check_schema(so.json_, "structured_outputs")
 
     @property
     def forced_tool(self) -> str | None:
@@ -672,9 +485,9 @@ class CompletionRequest(GenerationRequest):
     def check(self) -> None:
         super().check()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
+            raise BadRequest(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
         if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
-            raise RequestError("The prompt must not be empty.", "prompt")
+            raise BadRequest("The prompt must not be empty.", "prompt")
 
 
 class TokenizeRequest(BaseModel):
@@ -694,121 +507,3 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-# --- the job record ----------------------------------------------------------------------------------
-
-
-class JobStatus(StrEnum):
-    queued = "queued"
-    in_progress = "in_progress"
-    completed = "completed"
-    failed = "failed"
-    cancelled = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
-
-
-class Job(BaseModel):
-    """One chat completion job, stored as the Redis hash keys.job(id); every field is a string there."""
-
-    id: str
-    model: str
-    kind: Literal["chat", "text"] = "chat"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    status: JobStatus = JobStatus.queued
-    request: ChatCompletionRequest | CompletionRequest
-    attempts: int = 0
-    worker: str | None = None
-    prompt_ids: list[int] = Field(default_factory=list)
-    completion_tokens: int = 0
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-
-    def to_redis(self) -> dict[str, str]:
-        out = {
-            "id": self.id,
-            "model": self.model,
-            "kind": self.kind,
-            "created": str(self.created),
-            "status": self.status.value,
-            "request": self.request.model_dump_json(exclude_unset=True, by_alias=True),
-            "attempts": str(self.attempts),
-            "completion_tokens": str(self.completion_tokens),
-        }
-        if self.worker:
-            out["worker"] = self.worker
-        if self.prompt_ids:
-            out["prompt_ids"] = json.dumps(self.prompt_ids)
-        if self.result is not None:
-            out["result"] = json.dumps(self.result)
-        if self.error is not None:
-            out["error"] = json.dumps(self.error)
-        return out
-
-    @classmethod
-    def from_redis(cls, h: dict[str, str]) -> Job:
-        kind: Literal["chat", "text"] = "text" if h.get("kind") == "text" else "chat"
-        request_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        return cls(
-            id=h["id"],
-            model=h["model"],
-            kind=kind,
-            created=int(h["created"]),
-            status=JobStatus(h["status"]),
-            request=request_type.model_validate_json(h["request"]),
-            attempts=int(h.get("attempts", 0)),
-            worker=h.get("worker"),
-            prompt_ids=json.loads(h.get("prompt_ids", "[]")),
-            completion_tokens=int(h.get("completion_tokens", 0)),
-            result=json.loads(h["result"]) if "result" in h else None,
-            error=json.loads(h["error"]) if "error" in h else None,
-        )
-
-
-# --- the event envelope: one per pub/sub message and per event-log entry ------------------------------
-
-
-class EventKind(StrEnum):
-    chunk = "chunk"  # data: a chat.completion.chunk object
-    error = "error"  # data: {"error": {...}} in OpenAI's error shape
-    done = "done"  # the last event of every job; data: the final object for a completed non-streamed request, else null
-
-
-# A dict lookup: EnumType.__call__ was a tenth of the API's CPU in reading a relayed event.
-_EVENT_KINDS = {k.value: k for k in EventKind}
-
-
-@dataclass(slots=True)
-class Event:
-    """A plain dataclass, encoded with orjson: the worker builds and the API relays one per streamed token, and
-    pydantic's validation of the nested chunk object cost more than the rest of a relayed frame."""
-
-    seq: int
-    event: EventKind
-    data: dict[str, Any] | None = None
-    _json: bytes | None = field(default=None, repr=False, compare=False)
-
-    def to_json(self) -> bytes:
-        """The `msg` of the log entry and of the pub/sub message, encoded once."""
-        if self._json is None:
-            self._json = orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
-        return self._json
-
-    @classmethod
-    def from_json(cls, msg: str | bytes) -> Event:
-        d = orjson.loads(msg)
-        return cls(d["seq"], _EVENT_KINDS[d["event"]], d.get("data"))
-
-    def sse_data(self) -> bytes:
-        return b"[DONE]" if self.event is EventKind.done else orjson.dumps(self.data)
-
-    def sse_frame(self) -> bytes:
-        """The event as one Server-Sent Events frame, its id the sequence number (for Last-Event-ID)."""
-        return b"id: %d\ndata: %s\n\n" % (self.seq, self.sse_data())
-
-
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,252 @@
+"""The routes: OpenAI's chat and legacy completions, extended with background jobs, polling and resumable streams;
+tokenize and detokenize; models, health and version."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import orjson
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+
+from chatq.api.admission import ServedModel
+from chatq.api.jobs import JobStore
+from chatq.api.relay import Relay
+from chatq.api.sse import job_stream
+from chatq.core import keys
+from chatq.core.errors import BadRequest, ClientDisconnected, ServiceUnavailable
+from chatq.core.job import Event, Job, JobStatus
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from chatq.core.settings import Settings
+
+MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
+CANCEL_WAIT = 5.0  # seconds a cancel waits for a running job to stop
+
+
+@dataclass
+class Service:
+    """What the routes share, built once per process by create_app."""
+
+    settings: Settings
+    redis: aioredis.Redis
+    store: JobStore
+    relay: Relay
+    model: ServedModel
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+class JSONRequest(Request):
+    """A request whose JSON body orjson reads: strict RFC 8259, so NaN, Infinity, numbers beyond a double and
+    unpaired surrogates are a 400 (values nothing downstream could store or encode), and faster than Python's json."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(JSONRequest(request.scope, request.receive))
+
+        return route
+
+
+Svc = Annotated[Service, Depends(_service)]
+router = APIRouter(route_class=JSONRoute)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, svc: Svc, x_request_id: str | None = Header(default=None)
+) -> Any:
+    prompt_ids = svc.model.chat_prompt(body)
+    return await _respond(svc, body, "chat", prompt_ids, request, x_request_id)
+
+
+@router.post("/v1/completions")
+async def create_completion(
+    body: CompletionRequest, request: Request, svc: Svc, x_request_id: str | None = Header(default=None)
+) -> Any:
+    prompt_ids = svc.model.text_prompt(body)
+    return await _respond(svc, body, "text", prompt_ids, request, x_request_id)
+
+
+@router.get("/v1/chat/completions/{job_id}")
+async def get_chat_completion(
+    job_id: str,
+    svc: Svc,
+    stream: bool = False,
+    starting_after: int | None = Query(default=None, ge=0, le=MAX_SEQ),
+    last_event_id: str | None = Header(default=None),
+) -> Any:
+    job = await svc.store.get(job_id)
+    if not stream:
+        return await svc.store.view(job)
+    after = _resume_point(starting_after, last_event_id)
+    last = await svc.relay.last_seq(job.id) if job.status.finished else None
+    if last is not None and after >= last:
+        # The client has every event, `done` included: 204 also tells a browser's EventSource to stop.
+        return Response(status_code=204)
+    return job_stream(svc.relay, job.id, after, svc.settings)
+
+
+@router.post("/v1/chat/completions/{job_id}/cancel")
+async def cancel_chat_completion(job_id: str, svc: Svc) -> Any:
+    await svc.store.cancel(job_id)
+    job = await svc.store.get(job_id)
+    if job.status is JobStatus.in_progress:
+        # Answered once the run stopped (at the worker's next step), so the answer shows the job cancelled;
+        # a worker that does not answer in time leaves it shown running.
+        with contextlib.suppress(TimeoutError):
+            # From the event before the last, so that a `done` already logged is still met.
+            after = max((await svc.relay.last_seq(job.id) or 0) - 1, 0)
+            await asyncio.wait_for(svc.relay.done(job.id, after), CANCEL_WAIT)
+        job = await svc.store.get(job_id)
+    return await svc.store.view(job)
+
+
+@router.delete("/v1/chat/completions/{job_id}")
+async def delete_chat_completion(job_id: str, svc: Svc) -> Any:
+    await svc.store.delete(job_id)
+    return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, svc: Svc) -> Any:
+    model = svc.model
+    model.resolve(body.model)
+    if body.messages is not None:
+        ids = model.renderer.render(_as_chat(body)).ids
+    elif body.prompt is not None:
+        ids = model.renderer.encode(body.prompt, body.add_special_tokens is not False)
+    else:
+        raise BadRequest("Either `prompt` or `messages` is required.", "prompt")
+    strs = [model.info.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": model.info.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, svc: Svc) -> Any:
+    svc.model.resolve(body.model)
+    vocab = svc.model.info.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise BadRequest(f"token ids must be in 0..{vocab - 1}", "tokens")
+    return {"prompt": svc.model.info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.get("/version")
+async def version() -> Any:
+    return {"version": importlib.metadata.version("chatq")}
+
+
+@router.get("/v1/models")
+async def list_models(svc: Svc) -> Any:
+    model = svc.model
+    card = {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "chatq",
+        "max_model_len": model.info.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health")
+async def health(svc: Svc) -> Any:
+    name = svc.model.name
+    try:
+        await svc.redis.ping()
+        live = await svc.redis.zcount(keys.workers(name), time.time() - svc.settings.worker_ttl, "+inf")
+    except aioredis.RedisError:
+        raise ServiceUnavailable("Redis is unreachable") from None
+    if not live:
+        raise ServiceUnavailable(f"no live worker for model `{name}`")
+    return {"status": "ok", "model": name, "workers": live}
+
+
+async def _respond(
+    svc: Service,
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: Literal["chat", "text"],
+    prompt_ids: list[int],
+    request: Request,
+    x_request_id: str | None,
+) -> Any:
+    """Submits the job, then answers as the request asks: its stream, 202 with the job, or the whole answer."""
+    model = svc.model.resolve(body.model)
+    job, position = await svc.store.submit(body, kind, model, prompt_ids, x_request_id or body.request_id)
+    if body.stream:
+        on_disconnect = None if body.background else lambda: svc.store.cancel_soon(job.id)
+        return job_stream(svc.relay, job.id, 0, svc.settings, on_disconnect)
+    if body.background:
+        return JSONResponse(await svc.store.view(job, position), status_code=202)
+    done = await _done_or_disconnected(svc, job.id, request)
+    if done.data is not None:  # completed: the answer came with `done`
+        return Response(orjson.dumps(done.data), media_type="application/json")
+    return await _finished(svc, await svc.store.get(job.id))
+
+
+async def _done_or_disconnected(svc: Service, job_id: str, request: Request) -> Event:
+    """The job's `done` event once it ended; the job is cancelled if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done_task, gone_task = asyncio.create_task(svc.relay.done(job_id)), asyncio.create_task(disconnected())
+    finished, _ = await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (done_task, gone_task):
+        t.cancel()
+    if done_task not in finished:
+        svc.store.cancel_soon(job_id)
+        raise ClientDisconnected("The client disconnected.")
+    return done_task.result()
+
+
+async def _finished(svc: Service, job: Job) -> JSONResponse:
+    if job.status is JobStatus.failed and job.error:
+        return JSONResponse({"error": job.error}, status_code=int(job.error.get("code") or 500))
+    return JSONResponse(await svc.store.view(job) if job.status is not JobStatus.completed else job.result)
+
+
+def _resume_point(starting_after: int | None, last_event_id: str | None) -> int:
+    """Where a resumed stream starts. A browser's EventSource reconnects to the same URL, starting_after and all, and
+    names in Last-Event-ID the last event it got: the later of the two is where the client stands."""
+    after = starting_after or 0
+    if last_event_id:
+        seen = int(last_event_id) if last_event_id.isascii() and last_event_id.isdigit() else -1
+        if not 0 <= seen <= MAX_SEQ:
+            raise BadRequest("Last-Event-ID must be an event sequence number.", "Last-Event-ID")
+        after = max(after, seen)
+    return after
+
+
+def _as_chat(body: TokenizeRequest) -> ChatCompletionRequest:
+    """The chat request whose prompt /tokenize counts."""
+    chat = ChatCompletionRequest(
+        messages=body.messages or [],
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+        add_special_tokens=bool(body.add_special_tokens),
+        tools=body.tools,
+        documents=body.documents,
+    )
+    chat.check()
+    return chat

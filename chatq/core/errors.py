@@ -1,0 +1,86 @@
+"""The errors a client can see, one type each, with OpenAI's error body.
+
+The API answers them as HTTP errors (chatq.api.errors maps them, in one place); a stream that fails after its 200
+carries the same body in-band, built by the same constructors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ChatqError(Exception):
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object, as an HTTP answer and a stream's error event carry it."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class InternalError(ChatqError):
+    """Something failed on chatq's side: a job that could not run, a stream that could not be relayed."""
+
+
+class BadRequest(ChatqError):
+    """A request field is invalid; `param` names it."""
+
+    status, type = 400, "BadRequestError"
+
+
+class NotFound(ChatqError):
+    status, type = 404, "NotFoundError"
+
+
+class ModelNotFound(NotFound):
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.", "model")
+
+
+class JobNotFound(NotFound):
+    def __init__(self, job_id: str):
+        super().__init__(f"No chat completion found with id '{job_id}'.", "completion_id")
+
+
+class JobGone(NotFound):
+    """A stream whose job was deleted or expired while it was open or before it resumed."""
+
+    def __init__(self) -> None:
+        super().__init__("The job was deleted or has expired.")
+
+
+class Conflict(ChatqError):
+    status, type = 409, "ConflictError"
+
+
+class ClientDisconnected(ChatqError):
+    """Nginx's 499: nobody reads it, but the access log and the metrics tell it from a served request."""
+
+    status, type = 499, "APIError"
+
+
+class ServiceUnavailable(ChatqError):
+    status, type = 503, "ServiceUnavailableError"
+
+
+class RedisUnreachable(ServiceUnavailable):
+    def __init__(self) -> None:
+        super().__init__("The job store (Redis) is unreachable; retry.", headers={"Retry-After": "1"})
+
+
+class OutputLost(InternalError):
+    """An event of the job never reached its log: a client that resumes meets the same gap, not a hole in the text."""
+
+    def __init__(self) -> None:
+        super().__init__("Part of this job's output was lost before it could be relayed.")
+
+
+class RelayFailed(InternalError):
+    def __init__(self) -> None:
+        super().__init__("Relaying this job's output failed; resume the stream to read the rest.")

@@ -1,0 +1,89 @@
+"""The served model's facts, read from its directory in one place: the API validates and renders requests with
+them, the worker generates with them, so both agree on every limit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# The sampling settings the model's authors recommend (those vLLM reads), for what a request leaves out.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Path
+    max_model_len: int
+    vocab_size: int  # rows of the model's logits, which may be more than the tokenizer's vocabulary
+    chat_templates: dict[str, str]  # name -> jinja source; "default" always, "tool_use" where the model has one
+    special_tokens: dict[str, str | None]  # the variables of that name the chat template sees
+    eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict[str, float]
+    tokenizer: Tokenizer = field(repr=False, compare=False)
+
+    @classmethod
+    def read(cls, name: str, path: Path, max_model_len: int = 0) -> ModelInfo:
+        """`max_model_len` (CHATQ_MAX_MODEL_LEN) overrides the config's; 0 takes the config's."""
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _json(path / "config.json")
+        tokenizer_config = _json(path / "tokenizer_config.json")
+        generation = _json(path / "generation_config.json")
+        special = {k: _token_text(tokenizer_config.get(k)) for k in SPECIAL_TOKENS}
+        return cls(
+            name=name,
+            path=path,
+            max_model_len=max_model_len or _context_length(config, path),
+            vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
+            chat_templates=_chat_templates(path, tokenizer_config),
+            special_tokens=special,
+            eos_token_ids=_eos_ids(generation, tokenizer, special["eos_token"]),
+            sampling_defaults=sampling_defaults(generation),
+            tokenizer=tokenizer,
+        )
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    return {k: generation_config[k] for k in SAMPLING_DEFAULTS if generation_config.get(k) is not None}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(token: Any) -> str | None:
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _context_length(config: dict[str, Any], path: Path) -> int:
+    if "max_position_embeddings" not in config:
+        raise RuntimeError(f"{path}/config.json names no max_position_embeddings: set CHATQ_MAX_MODEL_LEN")
+    return int(config["max_position_embeddings"])
+
+
+def _chat_templates(path: Path, tokenizer_config: dict[str, Any]) -> dict[str, str]:
+    """Some models ship several named templates ([{"name": "default", ...}, {"name": "tool_use", ...}])."""
+    template = tokenizer_config.get("chat_template")
+    jinja_file = path / "chat_template.jinja"
+    if template is None and jinja_file.exists():
+        template = jinja_file.read_text()
+    if template is None:
+        raise RuntimeError(f"{path} has no chat template")
+    named = {t["name"]: t["template"] for t in template} if isinstance(template, list) else {"default": template}
+    if "default" not in named:
+        raise RuntimeError(f"{path} names chat templates but none `default`: {sorted(named)}")
+    return named
+
+
+def _eos_ids(generation: dict[str, Any], tokenizer: Tokenizer, eos_token: str | None) -> tuple[int, ...]:
+    """generation_config's EOS ids, and the tokenizer's own EOS token."""
+    eos = generation.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if eos_token is not None and (tid := tokenizer.token_to_id(eos_token)) is not None and tid not in ids:
+        ids.append(tid)
+    return tuple(ids)

@@ -1,0 +1,179 @@
+"""Every atomic job transition, a Lua script each, beside its one typed caller.
+
+A record is created queued by the API's submit; its status then changes hands once per transition: queued ->
+in_progress by one worker's claim, queued -> cancelled by the API, in_progress -> completed | failed | cancelled by
+the worker that holds it. The scripts of the worker's step are sent with EVAL inside its pipeline: redis-py checks a
+pipeline's registered scripts with SCRIPT EXISTS before every execute, a second round trip per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+import redis
+import redis.asyncio as aioredis
+from redis.client import Pipeline
+
+from chatq.core import keys
+from chatq.core.job import Event
+
+# KEYS: job, waiting zset, Celery queue list. ARGV: job id, queue score, Celery task message, then the record's
+# field/value pairs. Returns the job's rank in the waiting set, or nil when the id is taken.
+_SUBMIT = """
+if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return nil end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('LPUSH', KEYS[3], ARGV[3])
+return redis.call('ZRANK', KEYS[2], ARGV[1])
+"""
+
+
+async def submit(
+    client: aioredis.Redis, job_id: str, model: str, record: Mapping[str, str], queue: str, message: str, score: float
+) -> int | None:
+    """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get;
+    the job's rank in the waiting set, or None when its id is taken (a repeated request_id never overwrites a job)."""
+    script = client.register_script(_SUBMIT)
+    return await script(
+        keys=[keys.job(job_id), keys.waiting(model), queue], args=[job_id, score, message, *_flat(record)]
+    )
+
+
+# KEYS: job, waiting zset, the claiming worker's cancel set. ARGV: worker name, now, job id.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return {} end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('SREM', KEYS[3], ARGV[3])
+return redis.call('HGETALL', KEYS[1])
+"""
+
+
+def claim(client: redis.Redis, job_id: str, model: str, worker: str) -> dict[str, str]:
+    """The job's record, now held by `worker`; empty when the job is not this worker's to run (cancelled, expired,
+    held by another). A cancel recorded for this id before the claim was for an earlier job of the same id
+    (deleted, then submitted again): it must not stop this one."""
+    claim_keys = (keys.job(job_id), keys.waiting(model), keys.cancels(worker))
+    record = client.eval(_CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id)
+    return dict(zip(record[::2], record[1::2], strict=True))  # type: ignore[index]
+
+
+# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then the events
+# that close a queued job's log. The waiting set's and cancel set's names are completed from the record (its model,
+# its worker): fine on one Redis server, not on a Redis Cluster.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled')
+  local model = redis.call('HGET', KEYS[1], 'model')
+  if model then redis.call('ZREM', ARGV[5] .. model, ARGV[2]) end
+  for i = 6, #ARGV do
+    redis.pcall('XADD', KEYS[2], '0-' .. (i - 5), 'msg', ARGV[i])
+    redis.call('PUBLISH', KEYS[3], ARGV[i])
+  end
+  for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+elseif status == 'in_progress' then
+  local worker = redis.call('HGET', KEYS[1], 'worker')
+  if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
+  redis.call('SADD', ARGV[3] .. worker, ARGV[2])
+  redis.call('EXPIRE', ARGV[3] .. worker, ARGV[1])
+end
+if ARGV[4] == '1' then
+  if status == 'in_progress' then
+    redis.call('HSET', KEYS[1], 'deleted', '1')
+    for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  else
+    redis.call('DEL', KEYS[1], KEYS[2])
+  end
+end
+return status
+"""
+
+
+async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event]) -> str | None:
+    """Cancels the job; the status it had, None for no such job.
+
+    A queued job is cancelled here and its log closed with `closing`. A running one is named in its worker's cancel
+    set, which that worker reads with every step's writes, so it stops at the step after. Deleted, a job is gone for
+    readers at once; a running one's record and log stay, hidden, until its worker's last write removes them, so a
+    job submitted again under its id cannot meet the old run's writes.
+    """
+    script = client.register_script(_CANCEL)
+    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *(e.to_json() for e in closing)]
+    return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
+
+
+# KEYS in threes (a job's record, its event log, its live channel), ARGV in pairs (the entry id 0-<seq>, the message).
+_PUBLISH_EVENTS = """
+local refused, exists = {}, {}
+for k = 1, #ARGV / 2 do
+  local job, i = KEYS[3 * k - 2], 2 * k - 1
+  if exists[job] == nil then exists[job] = redis.call('EXISTS', job) == 1 end
+  if exists[job] then
+    local log, live = KEYS[3 * k - 1], KEYS[3 * k]
+    local added = redis.pcall('XADD', log, ARGV[i], 'msg', ARGV[i + 1])
+    local err = type(added) == 'table' and added.err
+    if err then
+      -- Redis 6 words a refusal raised inside a script "@user_script: 4: -READONLY ...": keep "READONLY ...", whose
+      -- first word is what clients read the kind of error from.
+      err = err:gsub('^@[^:]*:%s*%d+:%s*', ''):gsub('^%-', ''):gsub('%s+$', '')
+    end
+    if not err then
+      redis.call('PUBLISH', live, ARGV[i + 1])
+    elseif string.sub(err, 1, 9) == 'WRONGTYPE' then
+      refused[#refused + 1] = log
+      redis.call('PUBLISH', live, ARGV[i + 1])
+    elseif not string.find(err, 'equal or smaller', 1, true) then
+      return redis.error_reply(err)
+    end
+  end
+end
+return refused
+"""
+
+
+def publish_events(pipe: Pipeline, events: Iterable[tuple[str, Event]]) -> None:
+    """Appends each (job id, event) to the job's log and publishes it, in one call; its reply lists the logs that
+    hold another type of value.
+
+    An event already in its log is skipped, so a step sent again after a lost reply is written and published once;
+    so is every event of a job whose record is gone (its last write already landed). A log that cannot take an
+    entry costs its job the replay, not the other jobs their events: the event is still published.
+    """
+    event_keys: list[str] = []
+    args: list[str | bytes] = []
+    for job_id, event in events:
+        event_keys += [keys.job(job_id), keys.events(job_id), keys.live(job_id)]
+        args += [f"0-{event.seq}", event.to_json()]
+    pipe.eval(_PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
+
+
+# KEYS: job, events. ARGV: ttl in seconds, "1" for the job's last write ("0": progress), then field/value pairs.
+_UPDATE_RECORD = """
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
+  if ARGV[2] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+def update_record(pipe: Pipeline, job_id: str, ttl: int, fields: Mapping[str, str | bytes | int], last: bool) -> None:
+    """Writes the worker's fields into the job's record; the last write starts its expiry.
+
+    The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
+    meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
+    log at the last write.
+    """
+    pipe.eval(_UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), ttl, int(last), *_flat(fields))
+
+
+def _flat(fields: Mapping[str, str | bytes | int]) -> list[str | bytes | int]:
+    return [x for pair in fields.items() for x in pair]

@@ -1,0 +1,302 @@
+"""One job inside the worker: its choices (engine sequences), each engine output taken through detokenize -> parse
+-> chunks, and the job's events, numbered 1, 2, 3, ..."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from chatq.core import chunks
+from chatq.core.chunks import TokenInfo
+from chatq.core.delta import Delta
+from chatq.core.errors import BadRequest, ChatqError, InternalError
+from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.model_info import ModelInfo
+from chatq.core.requests import ChatCompletionRequest
+from chatq.core.settings import Settings
+from chatq.worker.detokenize import TextStream
+from chatq.worker.engine import Finish, Output, Sequence
+from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarState
+from chatq.worker.parse import Message, Parser
+from chatq.worker.plan import plan
+from chatq.worker.publish import JobEnd
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    index: int
+    seq: Sequence
+    text: TextStream
+    parser: Parser
+    message: Message = field(default_factory=Message)
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    unsent_logprobs: list[TokenInfo] = field(default_factory=list)
+    reasoning_tokens: int = 0
+    grammar: Grammar | None = None  # constrains the output once the reasoning ends
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Decoder:
+    """Token ids -> strings for logprob entries, cached: the same few thousand ids come back all the time."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.token = lru_cache(maxsize=65536)(self._token)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def info(self, token_id: int, logprob, top, offset: int) -> TokenInfo:
+        return TokenInfo(self.token(token_id), logprob, [(self.token(t), lp) for t, lp in top], offset)
+
+
+class JobRun:
+    def __init__(
+        self,
+        job: Job,
+        model: ModelInfo,
+        decoder: Decoder,
+        *,
+        settings: Settings,
+        compiler: GrammarCompiler | None = None,
+    ):
+        self.job = job
+        self.model = model
+        self.decoder = decoder
+        self.done = threading.Event()
+        self.status: JobStatus | None = None
+        self.error: ChatqError | None = None  # set, the job fails with it
+        self.last_seq = 0
+        self.progress_at = 0.0
+        self.eos_ids = frozenset(model.eos_token_ids)
+        self.continuous_usage = False
+        self.choices: list[Choice] = []
+        try:
+            self._prepare(settings, compiler)
+        except BadRequest as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
+            self.error, self.choices = e, []
+        except Exception as e:  # a job that cannot start must end failed, not stay in progress with no one on it
+            log.exception("job %s could not be prepared", job.id)
+            self.error, self.choices = InternalError(f"preparing the job failed ({type(e).__name__})"), []
+
+    def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
+        job, req = self.job, self.job.request
+        self.chunks, self.echo, self.include_reasoning = self._shapes()
+        opts = req.stream_options
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+        room = self.model.max_model_len - len(job.prompt_ids)
+        max_tokens = min(req.max_new_tokens or room, room)
+        self.plan = plan(req, max_tokens, self.eos_ids, self.model.sampling_defaults, compiler, settings)
+        # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
+        self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
+        # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
+        skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
+        for i, params in enumerate(self.plan.params):
+            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority)
+            parser = self.plan.make_parser()
+            if self.plan.grammar is not None and not parser.thinking:
+                seq.grammar = GrammarState(self.plan.grammar)
+            text = TextStream(
+                self.decoder.tokenizer,
+                req.stop,
+                prompt_ids=job.prompt_ids,
+                skip_special_tokens=skip_special,
+                include_stop=req.include_stop_str_in_output,
+            )
+            self.choices.append(Choice(i, seq, text, parser, grammar=self.plan.grammar if parser.thinking else None))
+
+    def _shapes(self) -> tuple[chunks.ChatChunks, str, bool]:
+        """The job's chunk shapes, the text it echoes, and whether reasoning is shown."""
+        job, req = self.job, self.job.request
+        if isinstance(req, ChatCompletionRequest):
+            last = req.messages[-1]
+            echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
+            return chunks.ChatChunks(job.id, job.created, job.model, req.response_role), echo, req.include_reasoning
+        # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
+        if not req.echo:
+            echo = ""
+        elif isinstance(req.prompt, str) and req.truncate_prompt_tokens is None:
+            echo = req.prompt
+        else:
+            echo = self.decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
+        return chunks.TextChunks(job.id, job.created, job.model), echo, True
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.seq.output_ids) for c in self.choices)
+
+    def usage(self, choices: list[Choice] | None = None) -> dict[str, Any]:
+        """Of all choices (the final usage), or of those given (a chunk's running usage: vLLM counts its choice)."""
+        choices = self.choices if choices is None else choices
+        completion = sum(len(c.seq.output_ids) for c in choices)
+        reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
+        return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
+
+    def _event(self, kind: EventKind, data: dict[str, Any] | None = None) -> Event:
+        self.last_seq += 1
+        if self.continuous_usage and data is not None and data.get("choices"):
+            data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
+        event = Event(seq=self.last_seq, event=kind, data=data)
+        # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
+        # no UTF-8 encoder takes) would fail the writes of every job in the step.
+        event.to_json()
+        return event
+
+    def _chunk(self, choice: Choice, delta: Delta) -> Event:
+        logprobs = self._take_logprobs(choice)
+        return self._event(
+            EventKind.chunk, self.chunks.chunk(choice.index, self.chunks.delta(choice.index, delta), logprobs)
+        )
+
+    def start(self) -> list[Event]:
+        events = []
+        for c in self.choices:
+            first = self.chunks.start(c.index)
+            if first is not None:
+                events.append(self._event(EventKind.chunk, first))
+            if self.echo:
+                echo = Delta(content=self.echo)
+                c.message.add(echo)
+                events.append(self._chunk(c, echo))
+        return events
+
+    def on_output(self, choice: Choice, out: Output) -> tuple[list[Event], bool]:
+        """The events for one engine output, and whether the engine must drop the sequence (a stop string)."""
+        if choice.finish_reason is not None:  # already ended by a stop string
+            return [], False
+        delta, stop_now = self._take_token(choice, out)
+        self._note_finish(choice, out)
+        ending = choice.finish_reason in ("stop", "length")
+        if ending:
+            delta = self._closing(choice, delta)
+        if not self.include_reasoning:
+            delta.reasoning = ""
+        choice.message.add(delta)
+        events = [self._chunk(choice, delta)] if delta else []
+        # A cancelled choice ends its stream with `abort` too, as one cancelled while queued does (and vLLM ends an
+        # aborted one): a stream reader learns what a poller of the job sees.
+        if ending or choice.finish_reason == "abort":
+            finish = self.chunks.chunk(
+                choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
+            )
+            events.append(self._event(EventKind.chunk, finish))
+        return events, stop_now
+
+    def _take_token(self, choice: Choice, out: Output) -> tuple[Delta, bool]:
+        """The new token's text through stop strings and the parser; whether a stop string ended it early."""
+        seq, req = out.seq, self.job.request
+        # The token that ended the sequence (EOS, a stop token id) is not part of the text, unless the request asks
+        # for its stops in the output (a special token such as EOS still shows only with skip_special_tokens off).
+        ended_by_token = (
+            out.finish is Finish.stop and out.token in seq.params.stop_token_ids and not req.include_stop_str_in_output
+        )
+        if out.token is None or ended_by_token:
+            return Delta(), False
+        if out.logprob is not None and not self.hide_logprobs:
+            # Where the token's text begins: after the echo and all text decoded so far, held back or not.
+            offset = len(self.echo) + choice.text.decoded
+            choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset))
+        # min_tokens holds off stop strings as well as stop tokens.
+        piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
+        thinking = choice.parser.thinking
+        delta = choice.parser.feed(piece.text)
+        # A token of the thought, not of its tags; one with no text yet (part of a character) counts too.
+        if thinking and (delta.reasoning or not piece.text):
+            choice.reasoning_tokens += 1
+        if choice.grammar is not None and not choice.parser.thinking:
+            seq.grammar, choice.grammar = GrammarState(choice.grammar), None  # from the next token on
+        if piece.stop is None:
+            return delta, False
+        choice.finish_reason, choice.stop_reason = "stop", piece.stop
+        return delta, out.finish is None
+
+    def _note_finish(self, choice: Choice, out: Output) -> None:
+        seq, req = out.seq, self.job.request
+        if out.finish is Finish.error:
+            self.error = InternalError(seq.error or "generation failed")
+            choice.finish_reason = "error"
+        elif out.finish is Finish.cancelled:
+            choice.finish_reason = "abort"
+        elif out.finish is not None and choice.finish_reason is None:
+            choice.finish_reason = out.finish.value
+            last = seq.output_ids[-1] if seq.output_ids else None
+            # A requested stop token id is named, even one that is also EOS when EOS is ignored (as vLLM names it).
+            requested = last in seq.params.stop_token_ids and (req.ignore_eos or last not in self.eos_ids)
+            if out.finish is Finish.stop and requested:
+                choice.stop_reason = last
+
+    def _closing(self, choice: Choice, delta: Delta) -> Delta:
+        """What the choice's last output adds once it ends: text held back, and what the parser held."""
+        if not isinstance(choice.stop_reason, str):  # no stop string: what was held back is plain text
+            delta = _merge(delta, choice.parser.feed(choice.text.flush()))
+        delta = _merge(delta, choice.parser.finish())
+        made_calls = bool(choice.message.tool_calls or delta.tool_calls)
+        if choice.finish_reason == "stop" and made_calls and not self.plan.named_tool:
+            choice.finish_reason = "tool_calls"
+        return delta
+
+    def _take_logprobs(self, choice: Choice) -> dict[str, Any] | None:
+        if choice.seq.params.logprobs is None or not choice.unsent_logprobs:
+            return None
+        tokens, choice.unsent_logprobs = choice.unsent_logprobs, []
+        choice.logprobs.extend(tokens)
+        return self.chunks.logprobs(tokens)
+
+    def end(self) -> tuple[list[Event], JobEnd]:
+        """The job's closing events and final record, once every choice finished."""
+        seq = self.last_seq
+        try:
+            return self._end()
+        except Exception as e:  # this job fails alone; the step's other writes must still go out
+            log.exception("job %s failed while building its result", self.job.id)
+            self.last_seq = seq  # no gap in the event numbers
+            self.error = InternalError(f"building the result failed ({type(e).__name__})")
+            return self._end()
+
+    def _end(self) -> tuple[list[Event], JobEnd]:
+        if self.error is not None:
+            body = self.error.body()
+            # A request refused here never generated: its usage counts nothing.
+            tokens = 0 if isinstance(self.error, BadRequest) else self.completion_tokens
+            events = [self._event(EventKind.error, body), self._event(EventKind.done)]
+            return events, JobEnd(self.job.id, JobStatus.failed, tokens, error=body["error"])
+        result = self.chunks.final([self._final_choice(c) for c in self.choices], self.usage())
+        status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
+        events = []
+        req = self.job.request
+        opts = req.stream_options
+        if status is JobStatus.completed and opts is not None and opts.include_usage:
+            events.append(self._event(EventKind.chunk, self.chunks.usage(self.usage())))
+        # A client waiting for the whole answer gets it with `done`, saving the API a read of the record.
+        waited = status is JobStatus.completed and not req.stream and not req.background
+        events.append(self._event(EventKind.done, result if waited else None))
+        return events, JobEnd(self.job.id, status, self.completion_tokens, result=result)
+
+    def _final_choice(self, c: Choice) -> dict[str, Any]:
+        content, reasoning, tool_calls = c.message.result()
+        if self.plan.reasoning and not content:
+            content = None  # vLLM's reasoning parsers answer "no content after the reasoning" with null
+        if self.plan.forced_tools:
+            content = content or ""  # vLLM's shape when the calls are the answer: empty rather than null
+        logprobs = None
+        if c.seq.params.logprobs is not None and not self.hide_logprobs:
+            logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs)
+        return self.chunks.final_choice(
+            c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
+        )
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    return Delta(a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls)
