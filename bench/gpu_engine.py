@@ -12,6 +12,7 @@ the run fails, the model runs again eagerly; each row says whether its graphs we
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -242,6 +243,8 @@ def bench_model(kind: str, graph_batch: int) -> dict:
 
 
 def main() -> None:
+    # No options of its own (the environment variables above set it up): --help prints the description.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     facts = {
         "device": DEV,

@@ -9,6 +9,7 @@ the cost of applying a filled bitmask to float32 logits rows, and one cached dec
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -119,7 +120,7 @@ CASES: list[tuple[str, str, Any, str]] = [
 
 def xgr_compile(compiler: xgr.GrammarCompiler, kind: str, spec: Any) -> xgr.CompiledGrammar:
     if kind == "json":
-        # As worker/grammar.py compiles them: compact layout, closed objects.
+        # As chatq/worker/grammar.py compiles them: compact layout, closed objects.
         return compiler.compile_json_schema(json.dumps(spec), any_whitespace=False, strict_mode=True)
     if kind == "regex":
         return compiler.compile_regex(spec)
@@ -294,6 +295,8 @@ def bench_decode() -> dict[int, float]:
 
 
 def main() -> None:
+    # No options of its own: --help prints the description.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     # Two cores shared with other jobs: more than one thread makes torch's OpenMP spin, ~20x slower steps here.
     torch.set_num_threads(1)
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))

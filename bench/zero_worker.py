@@ -2,8 +2,8 @@
 
     python -m celery -A bench.zero_worker worker -P threads ...    (from the repository root; queue_overhead.py does)
 
-It imports `worker.celery_app` (the Celery app, the task, the signals) and swaps its `worker_init` handler, the one
-that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
+It imports `chatq.worker.celery_app` (the Celery app, the task, the signals) and swaps its `worker_init` handler, the
+one that loads the model, for one that builds the real `Runner` (detokenize, parse, chunks, Redis publish per step)
 around `ZeroEngine` (bench/zero_engine.py): each step emits one fixed token (" hello") for every running sequence
 and ends a sequence at its max_tokens. Everything but the forward pass is the product's code path. It also
 registers a task that does nothing (`NOOP_TASK`), for the cost of Celery alone. For the benchmark's breakdown it

@@ -82,7 +82,7 @@ PREPARE = """
 import signal, sys
 from chatq.core.settings import Settings
 from chatq.worker.model import ensure_model_dir
-# Stopped, it unwinds, so the conversion removes its half-written files (half a gigabyte) on the way out.
+# Stopped, it unwinds, so the conversion removes its half-written files on the way out.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 try:
     ensure_model_dir(Settings())
@@ -169,8 +169,8 @@ def _stop(services: dict[str, subprocess.Popen], gently: bool) -> None:
     that takes: killed, it would leave them unfinished. Otherwise each gets 15 s after SIGTERM."""
     procs = list(services.values())
     if gently:
-        # A terminal's Ctrl-C reached the whole foreground group, so the services are already stopping; a second
-        # signal in the middle of that makes Flower print a traceback. They get a moment to finish first.
+        # Ctrl-C reached the whole foreground group, so the services are already stopping; a second signal now
+        # makes Flower print a traceback, so they get a moment first.
         deadline = time.time() + 5
         while time.time() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
@@ -276,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 return job(settings, args.action, args.id)
             return chat(settings, args.prompt, args.max_tokens, args.temperature)
         except BrokenPipeError:
-            # The reader went away (`chatq chat ... | head`): leaving closes the stream, which cancels the job.
-            # stdout is pointed at /dev/null so the interpreter's final flush does not fail a second time.
+            # The reader went away (`chatq chat ... | head`); leaving closes the stream, cancelling the job. stdout
+            # goes to /dev/null so the final flush cannot fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
         except httpx.TransportError as e:

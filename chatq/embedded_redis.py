@@ -89,15 +89,15 @@ class EmbeddedRedis:
             "--logfile",
             str(self.log),
         ]
-        # A session of its own: a terminal's Ctrl-C reaches the whole foreground group, and the worker and the API
-        # still talk to Redis while they shut down; `stop` ends it after them. Should its starter die without
-        # stopping it (SIGKILL), the kernel sends it SIGTERM, and it saves and exits rather than live on holding
-        # the data directory for a second server to share.
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            # Its own session: a terminal's Ctrl-C reaches the foreground group, but the worker and the API still use
+            # Redis while shutting down; `stop` ends it after them.
             start_new_session=True,
+            # If its starter dies unstopped (SIGKILL), the kernel sends SIGTERM: it saves and exits rather than live
+            # on beside the next server started on its data directory.
             preexec_fn=_die_with_parent,
         )
         try:

@@ -22,14 +22,14 @@ from chatq.core.settings import Settings
 
 
 def redis_client(settings: Settings) -> aioredis.Redis:
-    # Hundreds of requests may wait on Redis at once (submits, each new stream's log read): the pool grows with
-    # them instead of making them queue behind a small cap. A command whose connection failed is sent again on a
-    # new one: after Redis restarts, every pooled connection is stale and fails its next command.
+    # Many requests may wait on Redis at once (submits, each new stream's log read): the pool grows with them
+    # rather than queueing them behind a small cap.
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         decode_responses=True,
         max_connections=10_000,
         timeout=None,
+        # A command whose connection failed is sent again on a new one: after Redis restarts, every pooled one is stale.
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
     )
     return aioredis.Redis(connection_pool=pool)

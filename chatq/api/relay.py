@@ -1,12 +1,8 @@
 """A job's events from Redis, complete and in order, for any client at any time.
 
-Pub/sub alone loses what was published before a client subscribed, and the log alone would need polling. So:
-subscribe to the live channel first, wait until Redis confirms it, then replay the log, then follow the channel,
-dropping every event whose sequence number was already sent and refilling from the log if one was skipped.
-
-One pub/sub connection per API process carries the live channels of all its streams: a reader task hands each
-message to the inboxes of that channel's streams. Hundreds of streams then cost one socket, and one read brings in
-the messages of many of them at once.
+Pub/sub alone misses what was published before subscribing; the log alone needs polling. So a stream subscribes,
+waits for Redis to confirm, replays the log, then follows the channel, dropping repeats and rereading the log after
+a gap. All streams share one pub/sub connection (Subscriber).
 """
 
 from __future__ import annotations
@@ -109,13 +105,9 @@ class Relay:
             self._subscriber.unsubscribe(name)
 
     async def _log(self, job_id: str, after: int) -> tuple[list[Event] | None, bool]:
-        """The job's logged events after `after`, and whether the job still exists.
-
-        The events are None if the log's key holds another type of value, so the log will never be read (the
-        worker still publishes the job's events live). A job whose record is gone (deleted, expired) gets no more
-        events: its worker writes only those of jobs that exist. While Redis is unreachable or loading its data,
-        this waits for it, as the worker does, rather than end a stream whose job goes on.
-        """
+        """The job's logged events after `after` (None if the key holds another type: the log can never be read),
+        and whether the job still exists: a worker writes events only for jobs that exist. While Redis is unreachable
+        or loading, this waits, as the worker does, rather than end a stream whose job goes on."""
 
         def read() -> Awaitable[list[Any]]:
             pipe = self.redis.pipeline(transaction=False)
@@ -169,8 +161,8 @@ class Relay:
                         yield batch
                         return
                 if gap and from_log:
-                    # A job's log is written in order, so a gap in it stays: end the stream and say so, rather
-                    # than wait for an event that will never come or go on with a hole in the text.
+                    # A job's log is written in order, so a gap in it is permanent: end the stream saying so,
+                    # rather than wait forever or leave a hole in the text.
                     yield [*batch, *ending(last, OutputLost())]
                     return
                 if from_log and not exists:  # deleted or expired: what the log held is all there will be

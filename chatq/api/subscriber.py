@@ -1,7 +1,8 @@
-"""The API process's one pub/sub connection, which carries the live channels of all its streams.
+"""The API process's one pub/sub connection, which carries the live channels of all its streams: one socket, and
+one read brings in the messages of many streams.
 
-Spoken to directly: hiredis parses every reply of a socket read in one call, where redis-py's PubSub spends a
-dozen times the CPU per message. The connection is redis-py's URL, parsed by it.
+Spoken to directly: hiredis parses every reply of a socket read in one call, where redis-py's PubSub costs much
+more CPU per message. The connection is redis-py's URL, parsed by it.
 """
 
 from __future__ import annotations

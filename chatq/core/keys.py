@@ -1,6 +1,6 @@
 """Every Redis key, channel and Celery queue name chatq uses, built in one place.
 
-Layout (documented in the README):
+Layout (documented in docs/redis.md):
   chatq:job:{id}            hash   the job record (status, request, result, progress)
   chatq:job:{id}:events     stream the replayable event log, entry ids 0-{seq}
   chatq:job:{id}:live       pubsub the same events as they happen

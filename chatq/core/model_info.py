@@ -20,8 +20,8 @@ class ModelInfo:
     name: str
     path: Path
     max_model_len: int
-    vocab_size: int  # rows of the model's logits, which may be more than the tokenizer's vocabulary
-    chat_templates: dict[str, str]  # name -> jinja source; "default" always, "tool_use" where the model has one
+    vocab_size: int  # rows of the logits, maybe more than the tokenizer's vocabulary
+    chat_templates: dict[str, str]  # name -> jinja source; always "default", maybe "tool_use"
     special_tokens: dict[str, str | None]  # the variables of that name the chat template sees
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, float]

@@ -26,9 +26,8 @@ def celery_priority(priority: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    # chatq's Redis transport serves redis:// URLs themselves rather than being named as `broker_transport`: Flower
-    # names the broker by its URL's scheme and reads queue lengths only for schemes it knows. Resolved only when a
-    # process connects to the broker (workers, Flower): the API never loads it.
+    # chatq's transport takes over the redis:// schemes rather than being set as `broker_transport`: Flower reads
+    # queue lengths only for schemes it knows. Loaded on connecting, so never by the API.
     TRANSPORT_ALIASES.update(redis=REDIS_TRANSPORT, rediss=REDIS_TRANSPORT)
     app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
@@ -44,7 +43,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         # Redelivery of an unacknowledged job waits this long; it must outlast the longest generation.
-        # Each priority gets its own Redis list, polled in order, so a queued urgent job overtakes queued others.
+        # Each priority has its own list, polled in order, so an urgent job overtakes queued others.
         broker_transport_options={
             "visibility_timeout": 3 * 3600,
             "queue_order_strategy": "priority",
@@ -53,8 +52,8 @@ def make_celery(settings: Settings) -> Celery:
         task_default_priority=celery_priority(0),
         task_serializer="json",
         accept_content=["json"],
-        # No task events unless someone watches: publishing three per job was a fifth of a worker's CPU per request.
-        # Flower switches them on (its periodic enable_events broadcast).
+        # No task events unless someone watches: publishing three per job is costly for a worker. Flower switches
+        # them on (its periodic enable_events broadcast).
         worker_send_task_events=False,
         task_default_queue=keys.celery_queue(settings.model_name),
         worker_hijack_root_logger=False,
@@ -66,13 +65,12 @@ def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, 
     """The Redis list and the message that `app.send_task(GENERATE_TASK, [job_id], queue=queue, priority=lane)`
     would push there, for the API's submit script to push itself.
 
-    send_task publishes through its own blocking connection, after the job record is written, in a separate round
-    trip: it cost the API more than a millisecond of CPU per request, and an API that died between the two left a
-    queued job no worker would ever get. Celery builds the task message (its protocol 2); only the envelope that
-    kombu's Redis transport wraps around it is written here, as kombu's virtual channel does in basic_publish.
+    send_task would publish over its own blocking connection, a second round trip after the job record: costly,
+    and an API dying in between would strand a queued job. Celery builds the task message (protocol 2); only
+    kombu's Redis envelope is written here, as its basic_publish does.
     """
     task_id = str(uuid.uuid4())
-    # The reprs are given: Celery's own saferepr of them was half of this function's time.
+    # The reprs are given, sparing Celery's slow saferepr of them.
     msg = app.amqp.as_task_v2(
         task_id, GENERATE_TASK, args=[job_id], ignore_result=None, argsrepr=repr([job_id]), kwargsrepr="{}"
     )

@@ -1,10 +1,9 @@
 """Which regexes the grammar engine reads as Python does.
 
-xgrammar (the worker's grammar engine) compiles a narrower regex dialect than Python's: no lookarounds,
-backreferences, conditionals, word boundaries, string anchors (it reads `\\A` as the letter A), named groups, inline
-flags, comments, possessive or atomic repeats, `{,n}`, `\\N{...}`. The API must refuse those before a job exists,
-and it cannot load xgrammar (it imports torch); none of the libraries at hand checks a pattern against xgrammar's
-dialect, so Python's own parser finds most of them and a scan of the text the rest.
+xgrammar (the worker's grammar engine) compiles a narrower regex dialect than Python's (no lookarounds, named
+groups, inline flags, word boundaries, ...) and reads some of it otherwise (`\\A` as the letter A). The API must
+refuse those but cannot load xgrammar (it imports torch), and no library checks its dialect: Python's own parser
+finds most, a scan of the text the rest.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The render stage: chat messages -> prompt token ids, through the model's own chat template.
 
-Needs only `tokenizers` and jinja2 (no torch, no transformers), so the API runs it at submit time: template errors
-and over-long prompts are refused with a 400 before anything is enqueued, and the job carries its prompt ids.
-The jinja environment mirrors transformers' `apply_chat_template` so templates written for it render the same.
+Needs only `tokenizers` and jinja2 (no torch), so the API renders at submit time: template errors and over-long
+prompts are a 400 before anything is enqueued, and the job carries its prompt ids. Its jinja environment mirrors
+transformers' `apply_chat_template`.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ class Renderer:
     def _message(m: Message, i: int, as_parts: bool) -> dict[str, Any]:
         """A message as templates read it, as vLLM hands it to them."""
         d = m.model_dump(exclude_none=True)
-        # A template that loops over a message's content gets it as text parts, whether it came as a string or as
-        # parts; any other gets one string (vLLM's "openai" and "string" content formats). A tool's result is one
-        # string either way.
+        # A template that loops over content gets text parts (even from a string), any other one string (vLLM's
+        # "openai" and "string" content formats); a tool's result is always one string.
         if as_parts and m.role != "tool":
             d["content"] = [{"type": "text", "text": t} for t in m.texts()]
         else:

@@ -74,8 +74,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-# Fields of OpenAI's or vLLM's request that chatq does not honour, with the value that asks for nothing (null and
-# empty do too, and false where that value is null): sending another is a 400 naming the field, never a silent no-op.
+# Fields chatq does not honour, with the value that asks for nothing (as null and empty do, and false where it is
+# null): any other is a 400, never ignored.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,
@@ -399,8 +399,8 @@ class ChatCompletionRequest(GenerationRequest):
                 raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
         forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
         for i, tool in enumerate(self.tools or []):
-            # Only `required` and a named tool put a tool's parameters under a grammar; offered under `auto`, a
-            # schema the grammar engine would not enforce is the model's and the client's business, as in vLLM.
+            # Only `required` and a named tool constrain parameters with a grammar; under `auto`, an unenforceable
+            # schema is the model's and the client's business, as in vLLM.
             constrains = self.tool_choice == "required" or tool.function.name == forced
             check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
 
@@ -470,8 +470,8 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        # vLLM also takes a batch (a list of strings or of id lists); here one request is one job. A batch of one
-        # is that prompt (LangChain's OpenAI LLM always sends a list).
+        # vLLM also takes a batch (strings or id lists); here one request is one job. A batch of one is that prompt
+        # (LangChain's OpenAI LLM always sends a list).
         if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
             if len(v) == 1:
                 return v[0]

@@ -14,8 +14,8 @@ import redis
 
 T = TypeVar("T")
 
-# Unreachable, out of memory until results expire, a replica or a primary failing over, busy in a script, or
-# refusing writes after a failed save. Anything else (a key of the wrong type, say) would never be taken.
+# Unreachable, out of memory until results expire, failing over, busy in a script, or refusing writes after a
+# failed save. Anything else (a wrong-type key, say) will never be taken.
 TRANSIENT = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -24,8 +24,8 @@ TRANSIENT = (
     redis.exceptions.MasterDownError,
     redis.exceptions.TryAgainError,
 )
-# redis-py has no class for these, and words an error inside a transaction "Command # 3 (SREM ...) of pipeline
-# caused error: MISCONF ...", so they are told by their code wherever it stands.
+# redis-py has no class for these, and wraps an error inside a transaction ("Command # 3 (SREM ...) of pipeline
+# caused error: MISCONF ..."), so the code is matched anywhere.
 TRANSIENT_CODES = re.compile(r"\b(MISCONF|BUSY|NOREPLICAS|LOADING|OOM|READONLY|MASTERDOWN|TRYAGAIN)\b")
 FIRST_DELAY, MAX_DELAY = 0.1, 2.0
 

@@ -43,8 +43,8 @@ _BOUNDS = (
 _NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-# Keywords xgrammar compiles without enforcing them (it logs a warning and then allows what they forbid): an answer
-# would come back "stop" and not match its schema. Refused, as nothing else here can hold an answer to them.
+# Keywords xgrammar compiles without enforcing (it warns, then allows what they forbid), so an answer could finish
+# "stop" yet not match its schema. Refused: nothing else checks answers against them.
 _UNENFORCED = (
     "not",
     "if",

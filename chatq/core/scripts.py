@@ -1,9 +1,9 @@
 """Every atomic job transition, a Lua script each, beside its one typed caller.
 
-A record is created queued by the API's submit; its status then changes hands once per transition: queued ->
-in_progress by one worker's claim, queued -> cancelled by the API, in_progress -> completed | failed | cancelled by
-the worker that holds it. The scripts of the worker's step are sent with EVAL inside its pipeline: redis-py checks a
-pipeline's registered scripts with SCRIPT EXISTS before every execute, a second round trip per step.
+The API's submit creates a record queued; its status then changes once per transition: queued -> in_progress (a
+worker's claim), queued -> cancelled (the API), in_progress -> completed | failed | cancelled (the holding worker). The
+worker's step scripts go by EVAL in its pipeline, as redis-py would send SCRIPT EXISTS before every execute: a
+second round trip per step.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from redis.client import Pipeline
 from chatq.core import keys
 from chatq.core.job import Event
 
-# KEYS: job, waiting zset, Celery queue list. ARGV: job id, queue score, Celery task message, then the record's
-# field/value pairs. Returns the job's rank in the waiting set, or nil when the id is taken.
+# KEYS: job, waiting zset, Celery queue list. ARGV: job id, score, task message, then the record's field/value
+# pairs. Returns the job's waiting rank, or nil if the id is taken.
 _SUBMIT = """
 if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return nil end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
@@ -60,9 +60,8 @@ def claim(client: redis.Redis, job_id: str, model: str, worker: str) -> dict[str
     return dict(zip(record[::2], record[1::2], strict=True))  # type: ignore[index]
 
 
-# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then the events
-# that close a queued job's log. The waiting set's and cancel set's names are completed from the record (its model,
-# its worker): fine on one Redis server, not on a Redis Cluster.
+# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued
+# job's closing events. The prefixes are completed from the record, which Redis Cluster forbids.
 _CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
@@ -96,10 +95,10 @@ return status
 async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event]) -> str | None:
     """Cancels the job; the status it had, None for no such job.
 
-    A queued job is cancelled here and its log closed with `closing`. A running one is named in its worker's cancel
-    set, which that worker reads with every step's writes, so it stops at the step after. Deleted, a job is gone for
-    readers at once; a running one's record and log stay, hidden, until its worker's last write removes them, so a
-    job submitted again under its id cannot meet the old run's writes.
+    A queued job is cancelled here, its log closed with `closing`; a running one is added to its worker's cancel set,
+    which stops it at the next step. Deleted, a job is gone for readers at once; a running one's record and log stay
+    hidden until its worker's last write removes them, so a job resubmitted under its id never meets the old run's
+    writes.
     """
     script = client.register_script(_CANCEL)
     args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *(e.to_json() for e in closing)]
@@ -136,12 +135,12 @@ return refused
 
 
 def publish_events(pipe: Pipeline, events: Iterable[tuple[str, Event]]) -> None:
-    """Appends each (job id, event) to the job's log and publishes it, in one call; its reply lists the logs that
-    hold another type of value.
+    """Appends each (job id, event) to the job's log and publishes it, in one call; the reply lists the logs holding
+    another type of value.
 
-    An event already in its log is skipped, so a step sent again after a lost reply is written and published once;
-    so is every event of a job whose record is gone (its last write already landed). A log that cannot take an
-    entry costs its job the replay, not the other jobs their events: the event is still published.
+    An event already logged is skipped, so a step resent after a lost reply is written once; every event of a job
+    whose record is gone (its last write landed) is skipped too. A log that cannot take an entry costs its job the
+    replay, not other jobs their events: the event is still published.
     """
     event_keys: list[str] = []
     args: list[str | bytes] = []

@@ -10,8 +10,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
-# Bounds checked when the settings are read: a zero TTL or port fails at start with its variable's name, not as a
-# worker that drops out of its own registry or a heartbeat that spins.
+# Checked when the settings are read, so a zero TTL or port fails at start naming its variable, not as a worker
+# missing from its registry or a spinning heartbeat.
 Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -44,8 +44,8 @@ class Settings(BaseSettings):
     worker_concurrency: Positive = 64
     # A worker that has not refreshed its registry entry for this long counts as dead.
     worker_ttl: Positive = 15
-    # An engine step running longer than this means the engine hung (a driver, a deadlock): the worker stops
-    # refreshing its registry entry. It must outlast the slowest real step, a long prompt's prefill on a CPU.
+    # A step longer than this means the engine hung (a driver, a deadlock), so the worker stops its heartbeat.
+    # Must outlast the slowest real step: a long prefill on CPU.
     step_timeout: Annotated[float, Field(gt=0)] = 300.0
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
     device: str = "auto"
@@ -58,9 +58,8 @@ class Settings(BaseSettings):
     max_model_len: NonNegative = 0
     # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
     cuda_graph_batch: NonNegative = 256
-    # How the model writes reasoning and tool calls: "" (none), "deepseek_r1" / "qwen3" for <think>...</think>;
-    # "" / "hermes" / "llama3_json" / "pythonic" for tool calls offered with tool_choice "auto".
-    # Literal, so a misspelt name stops the process at start instead of failing every request that needs it.
+    # How the model writes reasoning (<think>...</think>) and tool calls offered with tool_choice "auto"; "" for
+    # none. A Literal, so a misspelt name fails at start, not in every request.
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
 

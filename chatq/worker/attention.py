@@ -1,10 +1,8 @@
 """Decode attention over the paged KV cache: one query token per sequence against all of its cached keys.
 
-Each sequence's keys live in the blocks its row of the block table names. On CUDA a Triton kernel reads them in
-place: the attention libraries at hand (SDPA, transformers' paged cache) want each sequence's keys gathered into one
-contiguous tensor first, a copy of the whole context per layer per step that costs more than the attention itself
-at large batches; and the kernel takes its loop bounds from the lengths on the device, so a CUDA graph can replay it
-whatever the lengths are. Elsewhere (CPU) the keys are gathered and SDPA does the rest.
+On CUDA a Triton kernel reads each sequence's keys in place through its block-table row, where SDPA would first
+gather every context, per layer per step, at more cost than the attention at large batches. Its loop bounds come
+from device-side lengths, so a CUDA graph replays it at any length. On CPU the keys are gathered for SDPA.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ def decode_sdpa(
     """q [B, H, D]; kc, vc [slots, KVH, D]; ctx, mask from gather_context. Returns [B, H, D]."""
     shape = (*ctx.shape, *kc.shape[1:])
     flat = ctx.flatten()
-    # index_select rather than advanced indexing: the same gather, several times faster on CPU.
+    # index_select rather than advanced indexing: the same gather, much faster on CPU.
     k = kc.index_select(0, flat).view(shape).transpose(1, 2)  # [B, KVH, L, D]
     v = vc.index_select(0, flat).view(shape).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -73,8 +71,8 @@ def decode_sdpa(
 
 
 if triton is not None:
-    # The block table's row stride is the widest sequence's block count, which changes from step to step; left to
-    # Triton, each new value divisible by 16 (or equal to 1) or not would compile the kernel again mid-run.
+    # The table's row stride (the widest sequence's block count) changes every step; Triton would specialize on
+    # whether it is 1 or divisible by 16 and recompile mid-run.
     @triton.jit(do_not_specialize=["stride_tb"])
     def _paged_decode_kernel(
         q_ptr,

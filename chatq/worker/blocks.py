@@ -1,12 +1,9 @@
 """KV cache blocks: who holds which, and which full prompt blocks can be shared (prefix caching).
 
-A block that holds the K/V of a full block of prompt tokens is registered under a digest of the whole prefix up
-to its end. A later sequence whose prompt starts the same way takes those blocks instead of computing them again:
-chat requests share a system prompt and a template header, so their first blocks are usually the same. The digest
-is SHA-256, not Python's hash(): tuple hashes can be made to collide on purpose, and a forged match would give one
-client's prompt another's cached keys and values.
-Blocks nobody holds but whose content is registered stay reusable until the pool needs them (least recently
-released first).
+A full prompt block is registered under a SHA-256 digest of the prefix up to its end, so later prompts starting the
+same way (a system prompt, a template header) reuse it. Not hash(): forged collisions would hand one client's
+prompt another's cached K/V. Registered blocks nobody holds stay reusable until the pool needs them, least recently
+released first.
 """
 
 from __future__ import annotations
@@ -59,8 +56,8 @@ class BlockManager:
         return True
 
     def release(self, seq: HoldsBlocks) -> None:
-        # Last block first into the idle list, which gives out its oldest first: a cached prefix is found from its
-        # first block on, so its first block must be the last of it to go.
+        # Last block first into the idle list (oldest out first): a cached prefix is matched from its first block, so
+        # that block must be evicted last.
         for block in reversed(seq.blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:

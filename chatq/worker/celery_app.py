@@ -1,7 +1,7 @@
 """The Celery worker: one process, one model, one engine; each task thread holds one job until it ends.
 
-Run as `celery -A worker.celery_app worker -P threads` (what `chatq worker` does). The threads pool keeps a single
-process, and so a single copy of the model, while many jobs run at once and share the engine's batch.
+Run as `celery -A chatq.worker.celery_app worker -P threads` (what `chatq worker` does). The threads pool keeps a
+single process, and so a single copy of the model, while many jobs run at once and share the engine's batch.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from chatq.worker.runner import Runner
 
 log = logging.getLogger(__name__)
-# Two INFO lines per job ("received", "succeeded") cost a twentieth of the worker's CPU per job and repeat what the job
-# record and Flower show; failures still log at ERROR.
+# Celery's two INFO lines per job ("received", "succeeded") cost CPU on every job and repeat what the job record and
+# Flower show; failures still log at ERROR.
 for name in ("celery.app.trace", "celery.worker.strategy"):
     logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -1,9 +1,8 @@
 """Token ids -> text, one token at a time, with stop strings.
 
-tokenizers' DecodeStream keeps multi-byte characters and word-leading spaces whole across tokens; it starts from
-the prompt's last tokens, as vLLM's detokenizer does, so that a SentencePiece tokenizer keeps the space before the
-first word. On top of it, text that could still become a stop string is held back, so no part of a stop string
-ever reaches a delta.
+tokenizers' DecodeStream keeps multi-byte characters and word-leading spaces whole across tokens. It starts from
+the prompt's last tokens, as vLLM's does, so a SentencePiece tokenizer keeps the first word's space. Text that
+could still become a stop string is held back: no part of one reaches a delta.
 """
 
 from __future__ import annotations

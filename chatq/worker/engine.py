@@ -1,12 +1,9 @@
 """The batched generation engine: add / step / cancel.
 
-Continuous batching over a paged KV cache. Each step runs one forward pass holding one token of every running
-sequence plus prompt chunks of newcomers (at most `prefill_chunk` prompt tokens a step, so running streams keep
-flowing while a long prompt is processed). Cache blocks are taken as sequences grow; when none are left, the
-newest running sequence is preempted (its blocks freed, its tokens recomputed once it is first in line again), so
-memory, not a batch size, bounds how many sequences run, and a sequence that finds no room waits instead of
-failing. Full prompt blocks are shared between sequences whose prompts begin alike (blocks.py), so a common system
-prompt is computed once.
+Continuous batching over a paged KV cache: each step is one forward pass over a token of every running sequence
+plus at most `prefill_chunk` prompt tokens of newcomers, so streams keep flowing during a long prompt. When blocks
+run out the newest sequence is preempted and recomputed later, so memory bounds the batch and a sequence without
+room waits rather than fails. See docs/engine.md.
 
 `add` and `cancel` may be called from any thread; `step` from one thread only.
 """
@@ -42,8 +39,8 @@ class Finish(StrEnum):
     error = "error"
 
 
-# eq=False: a sequence is itself, not its fields. Compared field by field, the scheduler's membership tests took
-# most of a step's host time at 256 sequences (34 of 39 ms on a 2-core CPU).
+# eq=False: a sequence is itself, not its fields; compared field by field, the scheduler's membership tests dominated
+# a step's host time.
 @dataclass(eq=False)
 class Sequence:
     id: str
@@ -143,9 +140,8 @@ class Engine:
         try:
             self._step(outputs)
         except Exception as e:
-            # A fault that belongs to no one sequence (the scheduler, the cache's bookkeeping) leaves the engine's
-            # state unknown. Every sequence fails, so that its job ends instead of waiting for a step that raises
-            # again and again, and the engine starts over with an empty cache.
+            # A fault outside any one sequence leaves the state unknown: fail every sequence, so jobs end rather than
+            # await a step that keeps raising, and restart with an empty cache.
             log.exception("engine step failed")
             outputs.extend(self._fail_everything(f"generation failed ({type(e).__name__})"))
         return outputs
@@ -160,9 +156,8 @@ class Engine:
         except Exception as e:
             log.exception("forward pass failed")
             error = f"generation failed ({type(e).__name__})"
-            # The pass is shared, so every sequence in it failed. When it also carried prompt chunks, the likely
-            # cause is theirs (the memory of a long chunk): those sequences fail, and the running streams try once
-            # more without them.
+            # The pass is shared, so all of it failed. Any prompt chunks are the likely cause (a long chunk's
+            # memory): fail those, and retry the running streams once without them.
             decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
             prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
             outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], error))
@@ -236,8 +231,8 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        # Back in its place, ahead of everything that came after it: a sequence pushed out by others must not also
-        # wait behind newer arrivals, or under steady load it could wait for ever.
+        # Back in its old place, ahead of later arrivals: queued behind them, a preempted sequence could starve under
+        # steady load.
         heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
@@ -281,8 +276,8 @@ class Engine:
             heapq.heappop(self.waiting)
             self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
             self.blocks.grow(seq, seq.num_cached + n)
-            # In (priority, arrival) order: steps schedule from the front, and a pool running short preempts from
-            # the back, so the most urgent run first and the least urgent, newest one gives way first.
+            # In (priority, arrival) order: steps schedule from the front and preemption takes from the back, so the
+            # most urgent run first and the least urgent, newest gives way first.
             bisect.insort(self.running, seq, key=_rank)
             prefills.append((seq, n))
             budget -= n
@@ -294,8 +289,8 @@ class Engine:
         return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
 
     def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
-        # Per-token Python work is kept to the new tokens; everything proportional to context length (slot tables,
-        # masks) is built with tensor ops, since a step may carry hundreds of sequences with long contexts.
+        # Per-token Python work covers only the new tokens; anything proportional to context length (slot tables,
+        # masks) uses tensor ops, as a step may carry hundreds of long-context sequences.
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         pos: list[int] = []
@@ -318,8 +313,8 @@ class Engine:
                 continue
             total = first + n
             ctx = self._slots(to_device(dev, seq.blocks), total)
-            # Query i sits at position first + i and sees every key up to and including itself. A chunk that starts
-            # the context needs no mask (plain causal), which lets SDPA use its flash kernel on CUDA.
+            # Query i, at position first + i, sees keys 0..first + i. A chunk starting the context needs no mask,
+            # so SDPA can use its CUDA flash kernel.
             mask = None
             if first:
                 mask = torch.arange(total, device=dev)[None, :] <= torch.arange(first, total, device=dev)[:, None]

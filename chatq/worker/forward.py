@@ -1,9 +1,8 @@
 """One batched forward pass over a paged KV cache, for Llama-style decoder models (Llama, Qwen2/3, Mistral, SmolLM).
 
-transformers provides the layers (projections, norms, MLP, rotary embedding) and their weights; what it lacks is a
-forward in which every sequence of the batch has its own length and its own place in a shared cache, so that
-sequences join and leave between steps. That part is here: tokens of all sequences are flattened into one row,
-each writes its K/V into cache slots chosen by the block manager, and attention reads each sequence's slots back.
+transformers provides the layers and weights but no forward in which each sequence has its own length and place in
+a shared cache, so sequences can join and leave between steps. Here all tokens form one flat row, each writes its
+K/V into slots the block manager chose, and attention reads each sequence's slots back.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ class Batch:
     # Decode part: D sequences with one query token each, reading the first `dec_lens` slots of their blocks.
     num_decode: int
     dec_table: torch.Tensor | None  # [D, W] int32 block ids
-    dec_lens: torch.Tensor | None  # [D] int32 context length, the new token included
-    # Prefill part: (start, end) of each chunk in the flat row, its context slots, and its causal mask (None: the
-    # chunk is the whole context so far, plainly causal).
+    dec_lens: torch.Tensor | None  # [D] int32 context lengths, new token included
+    # Prefill part: per chunk, its (start, end) in the flat row, context slots and mask (None: plain causal).
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
 
@@ -82,13 +80,12 @@ class PagedForward:
             attn.config.num_attention_heads, kc.shape[1], self.head_dim, cache.block_size, kc.dtype, kc.device
         )
         if kc.is_cuda:
-            # Where torch prefers cuDNN's attention (Hopper, recent cuDNN), it builds a plan for every new pair of
-            # prompt and context lengths, tens of milliseconds each, and a server sees new lengths all the time.
+            # Where torch prefers cuDNN's attention (Hopper, recent cuDNN) it builds a costly plan for each new pair of
+            # prompt and context lengths, and a server keeps seeing new ones.
             torch.backends.cuda.enable_cudnn_sdp(False)
         if not kc.is_cuda:
-            # nn.Linear computes x @ W.T from a row-major W; MKL's sgemm does that 2-3x slower than x @ W with W
-            # laid out column-major at the 8-48 rows of a decode step (the same at one row and from 64 rows on).
-            # So on CPU every weight is laid out column-major once: the same values, modules and math.
+            # MKL's sgemm runs nn.Linear's x @ W.T faster at decode-step row counts when W is column-major, so on CPU
+            # each weight is made column-major once: same values and math.
             for module in model.modules():
                 if isinstance(module, nn.Linear):
                     module.weight.data = module.weight.data.t().contiguous().t()
@@ -140,10 +137,8 @@ class PagedForward:
             gqa = True
             groups = q.shape[1] // kp.shape[1]
             if mask is not None and groups > 1:
-                # A masked chunk (a continued prompt, a cached prefix) cannot use CUDA's flash attention, and the
-                # memory-efficient kernel takes no grouped heads: left grouped, it would fall to the math kernel,
-                # whose score matrix for a long chunk against a long context is gigabytes. Repeating the K/V heads
-                # costs one copy of this chunk's context instead (on every device, so the CPU tests run this path).
+                # Masked chunks get no flash kernel, grouped heads no memory-efficient one, leaving the math
+                # kernel's huge scores; repeating K/V heads costs one context copy (everywhere, so CPU tests cover it).
                 kp, vp, gqa = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1), False
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None],

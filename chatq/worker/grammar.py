@@ -1,21 +1,12 @@
 """Constrained decoding: a grammar per request, applied as a per-sequence logits mask inside the batched step.
 
-Engine: xgrammar, chosen over llguidance by `bench/grammar_mask.py` on this CPU (2 shared cores):
-- per-token mask fill: xgrammar ~3-4 us median / 5-35 us p99; llguidance ~20-30 us / 60-280 us, plus a first fill
-  of 0.2-3 ms per request inside the step (its lexer is built lazily). xgrammar pays at compile time instead
-  (1-13 ms for our tool-call and nested schemas vs ~2 ms), once per request, outside the step, and cached.
-- correctness: replaying valid outputs, llguidance's compact-JSON mask forbade a token its own matcher accepts
-  ('"}' after an enum value: the model would be pushed to an odd tokenization); xgrammar's never did.
-- API: xgrammar's matcher is exactly fill / accept / is_terminated, and it ships a native CPU kernel that masks
-  chosen rows of the logits in place (0.2 ms a row, 4x the vectorized torch unpack; llguidance's needs torch.compile).
-For scale, one decode step of SmolLM2-135M there is ~100 ms at batch 1 and ~400 ms at batch 32, so grammar work
-is well under 1% of a step at batch 1 and ~2% at batch 32 with every row constrained (mostly the masking).
+Built on xgrammar rather than llguidance: it does its work at compile time, outside the step, its masks agree with
+its matcher, and it masks logits rows in place (docs/performance.md).
 
-Usage: one `GrammarCompiler` per worker; per request, one of its methods gives a `Grammar`; per sequence a
-`GrammarState(grammar)`; each step `apply_masks(logits, states)` before sampling (a logit bias added after it
-leaves a forbidden token at -inf), then `state.accept(token)` for the sampled token. Once the grammar
-is complete and cannot go on, the mask allows only EOS; accepting it makes `is_terminated()` true, and the engine
-finishes the sequence with "stop". `accept` returning False means a bug (the token was masked): end with an error.
+Usage: one `GrammarCompiler` per worker; a `Grammar` per request from one of its methods; a `GrammarState` per
+sequence; each step `apply_masks(logits, states)` before sampling (a logit bias added later leaves masked tokens at
+-inf), then `state.accept(token)`. A complete grammar allows only EOS, which sets `is_terminated()` (the engine
+finishes with "stop"); `accept` returning False is a bug.
 """
 
 from __future__ import annotations
@@ -59,9 +50,9 @@ def _opened(node: Any) -> Any:
 
 
 class GrammarCompiler:
-    """Compiles request grammars against one model's tokenizer. Compiling takes milliseconds (xgrammar precomputes
-    masks), so do it when a request arrives, not inside the engine step; results are cached by source text, and the
-    compiler may be shared between threads."""
+    """Compiles request grammars against one model's tokenizer. Compiling is slow (xgrammar precomputes masks), so do
+    it when a request arrives, not inside the engine step; results are cached by source text, and the compiler may
+    be shared between threads."""
 
     def __init__(
         self,
@@ -92,9 +83,8 @@ class GrammarCompiler:
             raise GrammarError("The JSON schema must be an object")
 
         def build() -> Grammar:
-            # Not sort_keys: property order is the order the grammar makes the model write them in. Compact layout
-            # (", " and ": ", no newlines): with free whitespace SmolLM2 spent up to half its tokens on newlines and
-            # sampled rows drifted through whitespace without finishing; a fixed layout cannot loop there.
+            # Not sort_keys: property order is the order the model writes them in. Fixed compact layout (", " and
+            # ": "): with free whitespace, small models drift through newlines without finishing.
             text = json.dumps(_opened(schema) if strict else schema)
             return self._compiler.compile_json_schema(text, strict_mode=strict, any_whitespace=False)
 
@@ -153,7 +143,7 @@ def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
-    # A plain loop: a fill is a few us, and xgrammar's BatchGrammarMatcher thread pool measured slower on 2 cores.
+    # A plain loop: fills are cheap enough that xgrammar's BatchGrammarMatcher thread pool costs more than it saves.
     for i, state in rows.items():
         state._matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=list(rows))
@@ -161,7 +151,7 @@ def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
 
 def warm_up_masks(vocab: int, device: torch.device) -> None:
     """Compiles xgrammar's CUDA masking kernel (Triton) for the row counts it specializes on (1, a multiple of 16,
-    any other) now, not in the first constrained steps, each of which would stall every stream for about a second."""
+    any other) now, not in the first constrained steps, each of which would stall every stream while it compiles."""
     for n in (1, 2, 16):
         logits = torch.zeros(n, vocab, device=device)
         bitmask = xgr.allocate_token_bitmask(n, vocab)

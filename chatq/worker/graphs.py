@@ -1,11 +1,9 @@
 """CUDA graphs of the decode step, one per batch-size bucket.
 
-A decode step of a small model is hundreds of short kernels, and launching them one by one from Python takes
-longer than running them. A graph captured once per bucket replays them all in one launch. Its inputs live in fixed
-buffers: a step of n sequences copies its tokens, positions, cache slots, block table and lengths into the first n
-rows and runs the smallest bucket that holds them; the padding rows write and read the cache's spare block, so they
-never touch a live sequence. Steps that carry prompt chunks, or more sequences than the largest bucket, run eagerly.
-Off CUDA the same buffers are used without capture, which is how the tests check the padding.
+A small model's decode step is many short kernels that take longer to launch from Python than to run; a captured
+graph replays them in one launch. A step of n sequences fills the first n rows of fixed buffers and replays the
+smallest bucket holding them; padding rows use the cache's spare block. Steps with prompt chunks or beyond the
+largest bucket run eagerly. Off CUDA the buffers run uncaptured, so tests check the padding.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ class DecodeGraphs:
         self.capture = dev.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.capture:
-            # One output for every bucket: an output per graph would hold a [n, V] float32 block for each of the
-            # 35 buckets up to 256 (2-3 GB for a 128k- or 150k-token vocabulary) that the KV-cache sizing never saw.
+            # One output shared by every bucket: one per graph would hold an [n, V] float32 block per bucket, memory
+            # the KV-cache sizing never accounted for.
             self.out = torch.empty(n, forward.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
             self._capture_all()
 

@@ -150,7 +150,7 @@ class JobRun:
             data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
         event = Event(seq=self.last_seq, event=kind, data=data)
         # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
-        # no UTF-8 encoder takes) would fail the writes of every job in the step.
+        # no UTF-8 encoder takes) would fail every job's writes.
         event.to_json()
         return event
 
@@ -185,8 +185,8 @@ class JobRun:
             delta.reasoning = ""
         choice.message.add(delta)
         events = [self._chunk(choice, delta)] if delta else []
-        # A cancelled choice ends its stream with `abort` too, as one cancelled while queued does (and vLLM ends an
-        # aborted one): a stream reader learns what a poller of the job sees.
+        # A cancelled choice ends its stream with `abort`, as a job cancelled while queued does (and as vLLM does):
+        # a stream reader learns what a poller sees.
         if ending or choice.finish_reason == "abort":
             finish = self.chunks.chunk(
                 choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
@@ -197,8 +197,8 @@ class JobRun:
     def _take_token(self, choice: Choice, out: Output) -> tuple[Delta, bool]:
         """The new token's text through stop strings and the parser; whether a stop string ended it early."""
         seq, req = out.seq, self.job.request
-        # The token that ended the sequence (EOS, a stop token id) is not part of the text, unless the request asks
-        # for its stops in the output (a special token such as EOS still shows only with skip_special_tokens off).
+        # The token that ended the sequence (EOS, a stop token id) is text only if the request wants stops in the
+        # output, and a special one only with skip_special_tokens off.
         ended_by_token = (
             out.finish is Finish.stop and out.token in seq.params.stop_token_ids and not req.include_stop_str_in_output
         )

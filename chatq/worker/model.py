@@ -38,8 +38,8 @@ def ensure_model_dir(settings: Settings) -> Path:
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
-    # transformers dequantizes GGUF on load (~17 s here) but refuses save_pretrained on the result, so the state
-    # dict and config are written by hand; the directory is renamed into place so a crash leaves no half copy.
+    # transformers dequantizes GGUF slowly on load and refuses save_pretrained on the result, so the state dict and
+    # config are written by hand.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s into %s (once per machine)", gguf.name, target)
@@ -62,6 +62,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # Renamed into place, so a crash leaves no half copy.
         try:
             os.replace(tmp, target)
         except OSError:

@@ -120,8 +120,8 @@ def plan(
     reasoning = bool(settings.reasoning_parser)
     make_parser = inner
     if reasoning:
-        # A grammar then shapes what follows the thought (the runner applies it once the thought ends), as in vLLM.
-        # DeepSeek-R1's templates take no `enable_thinking`: the model thinks anyway, and vLLM's parser reads it so.
+        # A grammar then shapes only what follows the thought (applied once it ends), as in vLLM. DeepSeek-R1
+        # templates take no `enable_thinking`: the model always thinks, as vLLM's parser assumes.
         thinking = req.thinking or settings.reasoning_parser == "deepseek_r1"
         make_parser = lambda: ReasoningParser(inner(), thinking_enabled=thinking)  # noqa: E731
     named = req.forced_tool is not None

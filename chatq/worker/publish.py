@@ -1,11 +1,8 @@
-"""Writes what one engine step produced to Redis: one pipeline per step for every active job.
+"""Writes each engine step's output to Redis in one round trip: events, progress, finished jobs, and a read of the
+cancels.
 
-Each event is appended to the job's replayable log (a Stream whose entry ids are 0-<seq>) and published on the
-job's live channel with the same message. The same round trip records progress, closes finished jobs and reads
-which of the worker's running jobs clients cancelled.
-
-On a GPU the writes leave from a thread of their own (Outbox), in step order, so the engine computes its next step
-while Redis takes this one: a step's writes cost as long as a decode step of a small model on a GPU.
+Each event goes to its job's log (a Stream with entry ids 0-<seq>) and its live channel. On a GPU a thread of its
+own (Outbox) sends the writes, so the engine computes its next step while Redis takes this one.
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ class Publisher:
         # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record.
         pipe = self.redis.pipeline(transaction=True)
         if writes.events:
-            # One script call instead of two commands per event: packing commands is most of a step's publish cost.
-            # No MAXLEN on the log: a job's log is bounded by its tokens, and it expires with the job.
+            # One script call, not two commands per event: packing commands dominates a step's publish cost.
+            # No MAXLEN: a job's log is bounded by its tokens and expires with it.
             scripts.publish_events(pipe, writes.events)
         for job_id, tokens in writes.progress.items():
             scripts.update_record(pipe, job_id, self.ttl, {"completion_tokens": tokens}, last=False)
@@ -106,13 +103,11 @@ class Publisher:
 
 
 class Outbox:
-    """Flushes steps' writes one after another; `then` runs once the step is written, with the ids of the jobs
-    that clients cancelled.
+    """Flushes steps' writes in order, then calls `then` with the ids of jobs clients cancelled.
 
-    Threaded, the writes leave from a thread of their own and `put` returns at once; at most `depth` steps wait, so
-    a Redis slower than the engine slows the engine rather than letting a backlog (and the clients' lag) grow.
-    Otherwise `put` writes the step itself: on a CPU the forward pass already uses every core, and handing each step
-    to a second thread cost 10-20% more CPU per token (GIL handoffs) than it saved.
+    Threaded, `put` returns at once but at most `depth` steps wait: a Redis slower than the engine slows it rather
+    than let a backlog grow. Unthreaded (on a CPU), `put` writes the step itself: the forward pass uses every core, and
+    GIL handoffs to another thread cost more than they save.
     """
 
     def __init__(self, publisher: Publisher, *, threaded: bool, depth: int = 2):

@@ -83,8 +83,8 @@ class Runner:
         return run
 
     def _loop(self) -> None:
-        # The model is loaded in the thread that runs it: torch keeps a pool of compute threads per calling thread,
-        # and a model loaded in another thread leaves two pools fighting over the cores (decode ran 2.4x slower).
+        # The model is loaded in the thread that runs it: torch keeps a compute-thread pool per calling thread, and
+        # loading elsewhere leaves two pools fighting over the cores.
         try:
             self.engine = self.make_engine()
             on_gpu = str(getattr(self.engine, "device", "")).startswith("cuda")
@@ -113,8 +113,8 @@ class Runner:
         ended = self._close_or_progress(touched, writes)
 
         def written(cancelled: set[str]) -> None:
-            # May run in the outbox's thread: a run's choices never change once it started, and engine.cancel
-            # takes effect at the engine's next step. A job not started yet stays in the set until it is.
+            # May run in the outbox's thread: a run's choices are fixed once started, and engine.cancel acts at the
+            # next step. Unstarted jobs stay in the cancel set until they start.
             for job_id in cancelled:
                 run = self.runs.get(job_id)
                 for c in run.choices if run is not None else ():

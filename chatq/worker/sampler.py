@@ -52,10 +52,8 @@ class SamplingParams:
 
 @dataclass
 class History:
-    """What a penalized sequence has said, brought up to date with each new token.
-
-    Rebuilt from the whole context every step, as transformers' logits processors do, it cost host time that grew
-    with the context: a set of every prompt and output id, and a copy of them to the device, per row per step."""
+    """What a penalized sequence has said, brought up to date with each new token, so a step's host time does not
+    grow with the context as rebuilding it every step (as transformers' logits processors do) would."""
 
     counted: int = -1  # output ids taken in so far; -1: not built yet
     seen: set[int] = field(default_factory=set)  # prompt and output ids: repetition_penalty
@@ -159,9 +157,8 @@ def _truncate(scaled: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     if any(p.top_p < 1.0 for p in params):
         top_p = to_device(dev, [p.top_p for p in params], scaled.dtype)
         sorted_logits, order = scaled.sort(dim=-1)
-        # Drop the least likely tokens while their mass stays within 1 - top_p, counted from the bottom as vLLM
-        # does: a row at top_p 1 beside others then loses nothing, where float32's running sum from the top
-        # reaches 1 before the tail and would cut it. The most likely token always stays.
+        # Drop the tail with mass within 1 - top_p, summed from the bottom as vLLM does: from the top, float32
+        # reaches 1 early and clips rows at top_p 1.
         drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
         drop[:, -1] = False
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
@@ -214,8 +211,8 @@ def _pick(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     greedy = to_device(dev, [r.params.greedy for r in rows], torch.bool)
     temps = to_device(dev, [max(r.params.temperature, GREEDY_BELOW) for r in rows], logits.dtype)
     probs = _truncate(logits / temps[:, None], rows).softmax(dim=-1)
-    # Exponential-race sampling (argmax of p / Exp(1)) equals a multinomial draw and lets seeded rows draw
-    # their noise from their own generator, so a seed gives the same text whatever else shares the batch.
+    # Exponential race: argmax of p / Exp(1) is a multinomial draw, and seeded rows draw noise from their own
+    # generator, so a seed's text is independent of the batch.
     noise = torch.empty_like(probs).exponential_()
     for i, r in enumerate(rows):
         if r.generator is not None:

@@ -22,4 +22,3 @@ def test_health_is_503_without_redis(settings):
         resp = c.get("/health")
     assert resp.status_code == 503
     assert resp.json()["error"]["message"] == "Redis is unreachable"
-

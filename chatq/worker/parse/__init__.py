@@ -1,8 +1,8 @@
-"""The parse stage: generated text in, message deltas out (content now; reasoning and tool calls by parser).
+"""The parse stage: generated text in, message deltas out (content; reasoning and tool calls by parser).
 
-Every parser has the same small surface: `feed(text) -> Delta` for each new piece of decoded text and
-`finish() -> Delta` once generation ended, flushing anything held back. The deltas of one choice, concatenated
-field by field, equal the whole parsed message.
+Every parser has `feed(text) -> Delta` for each new piece of decoded text, `finish() -> Delta` once generation
+ended, flushing anything held back, and `thinking`: whether it is inside a thought that has not ended (only the
+reasoning parser ever is). A choice's deltas, joined field by field, equal the whole message.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ class ContentParser(Parser):
 class Message:
     """One choice's deltas so far, joined field by field: what its final message is made of.
 
-    The text is kept as strings, which the cyclic garbage collector never walks, rather than as a Delta per token:
-    hundreds of long streams held that many objects, and every full collection walked them all while the streams
-    waited.
+    The text is kept as strings, which the cyclic garbage collector never walks, not as a Delta per token: with many
+    long streams, every full collection would walk all those objects while the streams wait.
     """
 
     content: list[str] = field(default_factory=list)

@@ -34,8 +34,8 @@ def arguments_json(arguments: dict[str, Any]) -> str | None:
     try:
         text.encode()
     except UnicodeEncodeError:
-        # A lone surrogate the model wrote as an escape ("\ud83d") decodes to a string no UTF-8 encoder takes, and
-        # the step's Redis writes would fail on it; escaped, it is the same JSON value.
+        # A lone surrogate the model wrote as an escape ("\ud83d") decodes to a string no UTF-8 encoder takes,
+        # failing the step's Redis writes; escaped, it is the same JSON value.
         return json.dumps(arguments, allow_nan=False)
     return text
 

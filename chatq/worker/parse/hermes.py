@@ -1,9 +1,7 @@
 """Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated (Qwen, Hermes).
 
-A call is emitted whole (id, name and canonical arguments in one delta) once its closing tag arrives.
-Streaming its arguments earlier would be nicer to watch, but a call whose JSON turns out invalid must stay
-content, and a streamed answer must equal the non-streamed one; so nothing of a call can be emitted before
-it is complete.
+A call is emitted whole (id, name and canonical arguments in one delta) once its closing tag arrives: a call whose
+JSON turns out invalid must stay content, and a streamed answer must equal the non-streamed one.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ class HermesParser(Parser):
         self.tool_names = tool_names
         self.index = 0  # index of the next call
         self.in_call = False
-        self.buf = ""  # outside a call: a possible partial start tag; inside: the call's text so far
-        # Whitespace around calls (the newlines between `</tool_call>` and `<tool_call>`) is layout, not
-        # content; it is held while a gap between calls has been only whitespace, and dropped if it touches
-        # a call.
+        self.buf = ""  # outside a call: a possible partial start tag; inside: the call so far
+        # Whitespace around calls is layout: held while the gap is only whitespace, dropped if it touches a call.
         self.space = ""
         self.only_space = True
 

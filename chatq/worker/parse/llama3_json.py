@@ -1,9 +1,8 @@
 """Llama 3 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`, possibly several joined
 by `;`, optionally after `<|python_tag|>`.
 
-Output that starts otherwise is content and streams at once. Output that starts like a call is held until
-finish(): only the whole text can tell calls from a JSON answer, and a streamed answer must equal the
-non-streamed one.
+Output that starts otherwise streams at once as content. Output that starts like a call is held until finish():
+only the whole text tells calls from a JSON answer, and a streamed answer must equal the non-streamed one.
 """
 
 from __future__ import annotations

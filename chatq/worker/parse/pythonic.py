@@ -1,8 +1,8 @@
 """Pythonic tool calls: the whole output is a Python list of calls, `[get_weather(city="Paris"), f(x=1)]`.
 
-Arguments must be keyword literals (parsed with `ast.literal_eval`, never evaluated). Output that does not
-start with `[` is content and streams at once; output that does is held until finish(), since only the whole
-text can tell a list of calls from content that merely looks like one.
+Arguments must be keyword literals (parsed with `ast.literal_eval`, never evaluated). Output not starting with
+`[` streams at once as content; output that does is held until finish(), as only the whole text tells a list of
+calls from content that looks like one.
 """
 
 from __future__ import annotations
