@@ -72,15 +72,23 @@ class JobStore:
         """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.scripts.cancel)."""
         self._check(job_id)
         h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
-        # What a queued job's stream closes with, should the job still be queued when the script runs.
-        chunks = []
+        # What a queued job's stream closes with, should the job still be queued when the script runs; after the
+        # events of an earlier attempt, when a worker stopped while running it.
+        chunks, logged = [], 0
         if h.get("status") == JobStatus.queued:
+            logged = await self._last_logged(job_id) if h.get("attempts", "0") != "0" else 0
             with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
-                chunks = never_ran(Job.from_redis(h))[0]
-        events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, 1)]
-        events.append(Event(seq=len(events) + 1, event=EventKind.done))
+                chunks = never_ran(Job.from_redis(h), opened=logged > 0)[0]
+        events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, logged + 1)]
+        events.append(Event(seq=logged + len(events) + 1, event=EventKind.done))
         if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events) is None:
             raise JobNotFound(job_id)
+
+    async def _last_logged(self, job_id: str) -> int:
+        last: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
+            keys.events(job_id), count=1
+        )
+        return int(last[0][0].split("-")[1]) if last else 0
 
     def cancel_soon(self, job_id: str) -> None:
         """Cancels the job in a task of its own: for a request whose client went away, whose own task is being

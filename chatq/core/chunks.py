@@ -110,6 +110,14 @@ class ChatChunks:
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return chat_logprobs(tokens)
 
+    @staticmethod
+    def read_logprobs(logprobs: dict[str, Any] | None) -> list[TokenInfo]:
+        """The entries a chunk's logprobs hold, as `logprobs` took them."""
+        return [
+            TokenInfo(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in (logprobs or {}).get("content") or []
+        ]
+
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage}
 
@@ -140,10 +148,11 @@ class ChatChunks:
         return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
 
 
-def never_ran(job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def never_ran(job: Job, opened: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The stream chunks and the final object of a job cancelled before any worker ran it: each choice opens and
     ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
-    no answer (a non-streamed one reading `choices[0]` finds it)."""
+    no answer (a non-streamed one reading `choices[0]` finds it). `opened`: an earlier attempt's stream opened the
+    choices already (the job waits for another worker to continue it)."""
     req = job.request
     shapes: ChatChunks
     if isinstance(req, ChatCompletionRequest):
@@ -152,7 +161,7 @@ def never_ran(job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         shapes = TextChunks(job.id, job.created, job.model)
     stream = []
     for i in range(req.n):
-        first = shapes.start(i)
+        first = None if opened else shapes.start(i)
         stream += [first] if first is not None else []
         stream.append(shapes.chunk(i, {}, None, "abort", None))
     choices = [shapes.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
@@ -191,6 +200,14 @@ class TextChunks(ChatChunks):
 
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return text_logprobs(tokens)
+
+    @staticmethod
+    def read_logprobs(logprobs: dict[str, Any] | None) -> list[TokenInfo]:
+        """The entries a chunk's logprobs hold, as `logprobs` took them (the top ones hold the sampled token)."""
+        if not logprobs:
+            return []
+        columns = zip(*(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), strict=True)
+        return [TokenInfo(t, lp, list(top.items()), offset) for t, lp, top, offset in columns]
 
     def final_choice(
         self,

@@ -81,6 +81,13 @@ class OutputLost(InternalError):
         super().__init__("Part of this job's output was lost before it could be relayed.")
 
 
+class WorkerLost(InternalError):
+    def __init__(self, attempts: int):
+        super().__init__(
+            f"The job's worker stopped while running it, {attempts} times; it is not tried again (CHATQ_MAX_ATTEMPTS)."
+        )
+
+
 class RelayFailed(InternalError):
     def __init__(self) -> None:
         super().__init__("Relaying this job's output failed; resume the stream to read the rest.")

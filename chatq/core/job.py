@@ -104,18 +104,24 @@ class Event:
     seq: int
     event: EventKind
     data: dict[str, Any] | None = None
+    # The ids of the tokens generated for the chunk's choice since its last chunk: what a worker taking the job over
+    # replays to continue where the log stops.
+    ids: list[int] | None = None
     _json: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> bytes:
         """The `msg` of the log entry and of the pub/sub message, encoded once."""
         if self._json is None:
-            self._json = orjson.dumps({"seq": self.seq, "event": self.event, "data": self.data})
+            envelope = {"seq": self.seq, "event": self.event, "data": self.data}
+            if self.ids:
+                envelope["ids"] = self.ids
+            self._json = orjson.dumps(envelope)
         return self._json
 
     @classmethod
     def from_json(cls, msg: str | bytes) -> Event:
         d = orjson.loads(msg)
-        return cls(d["seq"], _EVENT_KINDS[d["event"]], d.get("data"))
+        return cls(d["seq"], _EVENT_KINDS[d["event"]], d.get("data"), d.get("ids"))
 
     def sse_data(self) -> bytes:
         return b"[DONE]" if self.event is EventKind.done else orjson.dumps(self.data)

@@ -7,6 +7,7 @@ Layout (documented in docs/redis.md):
   chatq:cancels:{worker}    set    ids of that worker's running jobs that a client cancelled; read at every step
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
+  chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
 """
 
@@ -39,6 +40,10 @@ def waiting(model: str) -> str:
 
 def workers(model: str) -> str:
     return f"{PREFIX}:workers:{model}"
+
+
+def running(model: str) -> str:
+    return f"{PREFIX}:running:{model}"
 
 
 def celery_queue(model: str) -> str:

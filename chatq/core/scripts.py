@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import orjson
 import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
@@ -40,28 +43,101 @@ async def submit(
     )
 
 
-# KEYS: job, waiting zset, the claiming worker's cancel set. ARGV: worker name, now, job id.
+# KEYS: job, waiting zset, the claiming worker's cancel set, the model's running set. ARGV: worker name, now, job id,
+# the priority lane the task came in.
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return {} end
-redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2], 'lane', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('ZREM', KEYS[2], ARGV[3])
-redis.call('SREM', KEYS[3], ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[3])
+if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
+  redis.call('SADD', KEYS[3], ARGV[3])
+else
+  redis.call('SREM', KEYS[3], ARGV[3])
+end
 return redis.call('HGETALL', KEYS[1])
 """
 
 
-def claim(client: redis.Redis, job_id: str, model: str, worker: str) -> dict[str, str]:
+def claim(client: redis.Redis, job_id: str, model: str, worker: str, lane: int = 0) -> dict[str, str]:
     """The job's record, now held by `worker`; empty when the job is not this worker's to run (cancelled, expired,
-    held by another). A cancel recorded for this id before the claim was for an earlier job of the same id
-    (deleted, then submitted again): it must not stop this one."""
-    claim_keys = (keys.job(job_id), keys.waiting(model), keys.cancels(worker))
-    record = client.eval(_CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id)
+    held by another). A cancel asked of an earlier holder (which died or handed the job back) carries over to this
+    one; one left in this worker's set for an earlier job of the same id (deleted, then submitted again) does not."""
+    claim_keys = (keys.job(job_id), keys.waiting(model), keys.cancels(worker), keys.running(model))
+    record = client.eval(_CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id, lane)
     return dict(zip(record[::2], record[1::2], strict=True))  # type: ignore[index]
 
 
+# KEYS: job, events, live, the model's live-worker registry, running set, waiting zset. ARGV: job id, the holder it
+# is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
+# result ttl, then the error event's data and the record's error, should the job have run out of attempts.
+_RECLAIM = """
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted')
+if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
+if ARGV[4] ~= '0' then
+  local beat = redis.call('ZSCORE', KEYS[4], ARGV[2])
+  if beat and tonumber(beat) >= tonumber(ARGV[3]) - tonumber(ARGV[4]) then return nil end
+end
+redis.call('SREM', KEYS[5], ARGV[1])
+if h[4] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return 'deleted'
+end
+if ARGV[4] == '0' then
+  redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
+  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  local seq = 0
+  if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) end
+  local msgs = {
+    '{"seq":' .. (seq + 1) .. ',"event":"error","data":' .. ARGV[10] .. '}',
+    '{"seq":' .. (seq + 2) .. ',"event":"done","data":null}',
+  }
+  for i, msg in ipairs(msgs) do
+    redis.call('XADD', KEYS[2], '0-' .. (seq + i), 'msg', msg)
+    redis.call('PUBLISH', KEYS[3], msg)
+  end
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[11], 'finished', ARGV[3])
+  for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
+  return 'failed'
+end
+redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('HDEL', KEYS[1], 'worker')
+redis.call('PERSIST', KEYS[2])
+redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
+redis.call('LPUSH', ARGV[7], ARGV[8])
+return 'queued'
+"""
+
+
+@dataclass
+class Requeue:
+    """How a job taken from its holder is queued again: its task message and place, and how it fails instead."""
+
+    queue: str
+    message: str
+    score: float
+    max_attempts: int
+    result_ttl: int
+    error: Mapping[str, Any]  # OpenAI's error body
+
+
+def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_ttl: float, how: Requeue) -> str | None:
+    """Takes a running job from `holder`, a worker out of the model's live registry for `worker_ttl` seconds (0:
+    the holder itself, handing it back): queued again for the next worker, which continues where the log stops,
+    or failed once its attempts ran out. What became of it, or None when it was not `holder`'s to lose (ended,
+    reclaimed by someone else, its holder alive again). One script, so two sweepers never requeue a job twice."""
+    job_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id), keys.workers(model)]
+    job_keys += [keys.running(model), keys.waiting(model)]
+    args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
+    errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
+    return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors)  # type: ignore[return-value]
+
+
 # KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued
-# job's closing events. The prefixes are completed from the record, which Redis Cluster forbids.
+# job's closing events in pairs (entry id, message). The prefixes are completed from the record, which Redis Cluster
+# forbids.
 _CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
@@ -69,14 +145,15 @@ if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
   local model = redis.call('HGET', KEYS[1], 'model')
   if model then redis.call('ZREM', ARGV[5] .. model, ARGV[2]) end
-  for i = 6, #ARGV do
-    redis.pcall('XADD', KEYS[2], '0-' .. (i - 5), 'msg', ARGV[i])
-    redis.call('PUBLISH', KEYS[3], ARGV[i])
+  for i = 6, #ARGV, 2 do
+    redis.pcall('XADD', KEYS[2], ARGV[i], 'msg', ARGV[i + 1])
+    redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
   if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
+  redis.call('HSET', KEYS[1], 'cancel', '1')
   redis.call('SADD', ARGV[3] .. worker, ARGV[2])
   redis.call('EXPIRE', ARGV[3] .. worker, ARGV[1])
 end
@@ -95,23 +172,30 @@ return status
 async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event]) -> str | None:
     """Cancels the job; the status it had, None for no such job.
 
-    A queued job is cancelled here, its log closed with `closing`; a running one is added to its worker's cancel set,
-    which stops it at the next step. Deleted, a job is gone for readers at once; a running one's record and log stay
-    hidden until its worker's last write removes them, so a job resubmitted under its id never meets the old run's
-    writes.
+    A queued job is cancelled here, its log closed with `closing`; a running one is flagged and added to its worker's
+    cancel set, which stops it at the next step (the flag, should another worker take the job over). Deleted, a job
+    is gone for readers at once; a running one's record and log stay hidden until its worker's last write removes
+    them, so a job resubmitted under its id never meets the old run's writes.
     """
     script = client.register_script(_CANCEL)
-    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *(e.to_json() for e in closing)]
+    closing_args = [x for e in closing for x in (f"0-{e.seq}", e.to_json())]
+    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *closing_args]
     return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
 
 
-# KEYS in threes (a job's record, its event log, its live channel), ARGV in pairs (the entry id 0-<seq>, the message).
+# KEYS in threes (a job's record, its event log, its live channel). ARGV: the writing worker, then pairs (the entry
+# id 0-<seq>, the message).
 _PUBLISH_EVENTS = """
-local refused, exists = {}, {}
-for k = 1, #ARGV / 2 do
-  local job, i = KEYS[3 * k - 2], 2 * k - 1
-  if exists[job] == nil then exists[job] = redis.call('EXISTS', job) == 1 end
-  if exists[job] then
+local refused, lost, held = {}, {}, {}
+for k = 1, (#ARGV - 1) / 2 do
+  local job, i = KEYS[3 * k - 2], 2 * k
+  if held[job] == nil then
+    local h = redis.pcall('HMGET', job, 'status', 'worker')
+    -- A record of another type names no holder: its job's events still go out, whatever became of its writes.
+    held[job] = h.err ~= nil or (h[1] and h[1] ~= 'queued' and (not h[2] or h[2] == ARGV[1]))
+    if not held[job] then lost[#lost + 1] = job end
+  end
+  if held[job] then
     local log, live = KEYS[3 * k - 1], KEYS[3 * k]
     local added = redis.pcall('XADD', log, ARGV[i], 'msg', ARGV[i + 1])
     local err = type(added) == 'table' and added.err
@@ -130,48 +214,66 @@ for k = 1, #ARGV / 2 do
     end
   end
 end
-return refused
+return {refused, lost}
 """
 
 
-def publish_events(pipe: Pipeline, events: Iterable[tuple[str, Event]]) -> None:
+def publish_events(pipe: Pipeline, worker: str, events: Iterable[tuple[str, Event]]) -> None:
     """Appends each (job id, event) to the job's log and publishes it, in one call; the reply lists the logs holding
-    another type of value.
+    another type of value, and the records of jobs `worker` no longer holds.
 
-    An event already logged is skipped, so a step resent after a lost reply is written once; every event of a job
-    whose record is gone (its last write landed) is skipped too. A log that cannot take an entry costs its job the
-    replay, not other jobs their events: the event is still published.
+    An event already logged is skipped, so a step resent after a lost reply is written once. Every event of a job
+    whose record is gone (its last write landed), or that another worker took over (this one was counted dead, or
+    handed the job back), is skipped too: one holder writes a job's log. A log that cannot take an entry costs its
+    job the replay, not other jobs their events: the event is still published.
     """
     event_keys: list[str] = []
-    args: list[str | bytes] = []
+    args: list[str | bytes] = [worker]
     for job_id, event in events:
         event_keys += [keys.job(job_id), keys.events(job_id), keys.live(job_id)]
         args += [f"0-{event.seq}", event.to_json()]
     pipe.eval(_PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
 
-# KEYS: job, events. ARGV: ttl in seconds, "1" for the job's last write ("0": progress), then field/value pairs.
+# KEYS: job, events, the model's running set. ARGV: the writing worker, job id, ttl in seconds, "1" for the job's
+# last write ("0": progress), then field/value pairs. Returns 0 when the job is not the worker's to write (any more).
 _UPDATE_RECORD = """
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
-  if ARGV[2] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
-  return 0
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem')
+if not h[1] or h[1] == 'queued' or (h[2] and h[2] ~= ARGV[1]) then return 0 end
+local last = ARGV[4] == '1'
+if last then redis.call('SREM', KEYS[3], ARGV[2]) end
+if h[3] then
+  if last then redis.call('DEL', KEYS[1], KEYS[2]) end
+  return 1
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+if last then
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  if h[4] then redis.call('EXPIRE', h[4], ARGV[3]) end
+end
 return 1
 """
 
 
-def update_record(pipe: Pipeline, job_id: str, ttl: int, fields: Mapping[str, str | bytes | int], last: bool) -> None:
-    """Writes the worker's fields into the job's record; the last write starts its expiry.
+def update_record(
+    pipe: Pipeline,
+    worker: str,
+    job_id: str,
+    model: str,
+    ttl: int,
+    fields: Mapping[str, str | bytes | int],
+    last: bool,
+) -> None:
+    """Writes the worker's fields into the job's record; the last write starts its expiry and takes the job off the
+    model's running set.
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
-    log at the last write.
+    log at the last write. A job another worker took over is left to it.
     """
-    pipe.eval(_UPDATE_RECORD, 2, keys.job(job_id), keys.events(job_id), ttl, int(last), *_flat(fields))
+    job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model))
+    pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, worker, job_id, ttl, int(last), *_flat(fields))
 
 
 def _flat(fields: Mapping[str, str | bytes | int]) -> list[str | bytes | int]:

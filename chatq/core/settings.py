@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     # A step longer than this means the engine hung (a driver, a deadlock), so the worker stops its heartbeat.
     # Must outlast the slowest real step: a long prefill on CPU.
     step_timeout: Annotated[float, Field(gt=0)] = 300.0
+    # Attempts a job gets: a worker that dies while running it (killed, out of memory, its host lost) costs one, and
+    # the job continues on another worker until this many are spent; then it fails.
+    max_attempts: Positive = 3
+    # Seconds a stopping worker (SIGTERM) lets its running jobs finish before it hands the rest to other workers.
+    stop_grace: Annotated[float, Field(ge=0)] = 30.0
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
     device: str = "auto"
     dtype: str = "auto"

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +25,7 @@ from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
+from chatq.worker.reclaim import hand_back, sweep
 
 if TYPE_CHECKING:
     from chatq.worker.runner import Runner
@@ -40,7 +44,10 @@ app = make_celery(settings)
 class WorkerState:
     redis: redis.Redis
     runner: Runner
-    name: str  # Celery's node name: the claims record it, the registry lists it, cancels are addressed to it
+    # Celery's node name and this process' own mark: the claims record it, the registry lists it, cancels are
+    # addressed to it. A worker restarted under the same node name is another holder, so the sweep reclaims the jobs
+    # the dead one held.
+    name: str
 
 
 _state: WorkerState | None = None
@@ -53,7 +60,7 @@ def _load(sender=None, **_kwargs) -> None:
     from chatq.worker.build import build_runner
 
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    name = getattr(sender, "hostname", "worker")
+    name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
     runner.start()
     _state = WorkerState(client, runner, name)
@@ -76,9 +83,45 @@ def _shutdown(**_kwargs) -> None:
     gc.unfreeze()
 
 
+@signals.worker_shutting_down.connect
+def _stopping(**_kwargs) -> None:
+    """The first SIGTERM (or SIGINT): Celery takes no new jobs and waits for the running ones, which get
+    `stop_grace` seconds before they are handed to other workers. A second signal hands them over at once and
+    exits."""
+    threading.Thread(target=_hand_back_after, args=(settings.stop_grace,), name="chatq-grace", daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_now)
+
+
+def _hand_back_after(grace: float) -> None:
+    if not _heartbeat_stop.wait(grace):
+        _hand_back_all()
+
+
+def _stop_now(*_args) -> None:
+    _hand_back_all()
+    if _state is not None:
+        _state.redis.zrem(keys.workers(settings.model_name), _state.name)
+    os._exit(1)
+
+
+def _hand_back_all() -> None:
+    if _state is None:
+        return
+    running = list(_state.runner.runs)
+    handed = hand_back(_state.redis, app, settings, _state.name, running)
+    if handed:
+        log.warning("handed %d running jobs to other workers: %s", len(handed), ", ".join(handed))
+    _state.runner.release(handed)
+
+
 def _heartbeat(state: WorkerState) -> None:
     while not _heartbeat_stop.is_set():
-        beat(state, settings)
+        if beat(state, settings) is None:
+            try:
+                sweep(state.redis, app, settings)
+            except redis.RedisError:
+                log.warning("sweeping for jobs of stopped workers failed", exc_info=True)
         _heartbeat_stop.wait(settings.worker_ttl / 3)
 
 
@@ -103,12 +146,18 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
     return stalled
 
 
-@app.task(name=GENERATE_TASK)
-def generate(job_id: str) -> str:
+@app.task(name=GENERATE_TASK, bind=True)
+def generate(self, job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
-    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name)
+    lane = (self.request.delivery_info or {}).get("priority") or 0
+    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
+    if (stale := _state.runner.holds(job_id)) is not None:
+        # Reclaimed from this very worker while it was counted out (a stalled step): the run it still had goes,
+        # and the new one continues from the log.
+        _state.runner.release([job_id])
+        stale.done.wait()
     try:
         job = Job.from_redis(record)
     except (ValueError, KeyError) as e:  # written by another version of chatq, say: the job ends, not hangs
@@ -117,9 +166,15 @@ def generate(job_id: str) -> str:
             _state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
         )
         return JobStatus.failed.value
-    run = _state.runner.submit(job)
+    earlier = _read_log(_state.redis, job_id) if job.attempts > 1 else None
+    run = _state.runner.submit(job, earlier)
     run.done.wait()
-    return run.status.value if run.status else "unknown"
+    return run.status.value if run.status else "handed over"
+
+
+def _read_log(client: redis.Redis, job_id: str) -> list[Event]:
+    """What the job's earlier attempts published, for this one to continue from."""
+    return [Event.from_json(fields["msg"]) for _, fields in client.xrange(keys.events(job_id))]  # type: ignore[union-attr,index]
 
 
 def _fail_unreadable(state: WorkerState, job_id: str, error: InternalError) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Choice:
     grammar: Grammar | None = None  # constrains the output once the reasoning ends
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
 
 
 class Decoder:
@@ -78,6 +80,7 @@ class JobRun:
         self.progress_at = 0.0
         self.eos_ids = frozenset(model.eos_token_ids)
         self.continuous_usage = False
+        self.resumed = False
         self.choices: list[Choice] = []
         try:
             self._prepare(settings, compiler)
@@ -144,23 +147,27 @@ class JobRun:
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
         return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
 
-    def _event(self, kind: EventKind, data: dict[str, Any] | None = None) -> Event:
+    def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
             data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
-        event = Event(seq=self.last_seq, event=kind, data=data)
+        ids = None
+        if choice is not None and choice.unlogged:
+            ids, choice.unlogged = choice.unlogged, []
+        event = Event(seq=self.last_seq, event=kind, data=data, ids=ids)
         # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
         # no UTF-8 encoder takes) would fail every job's writes.
         event.to_json()
         return event
 
-    def _chunk(self, choice: Choice, delta: Delta) -> Event:
+    def _chunk(self, choice: Choice, delta: Delta, carries_ids: bool = True) -> Event:
         logprobs = self._take_logprobs(choice)
-        return self._event(
-            EventKind.chunk, self.chunks.chunk(choice.index, self.chunks.delta(choice.index, delta), logprobs)
-        )
+        data = self.chunks.chunk(choice.index, self.chunks.delta(choice.index, delta), logprobs)
+        return self._event(EventKind.chunk, data, choice if carries_ids else None)
 
     def start(self) -> list[Event]:
+        if self.resumed:  # the first attempt sent these
+            return []
         events = []
         for c in self.choices:
             first = self.chunks.start(c.index)
@@ -176,6 +183,8 @@ class JobRun:
         """The events for one engine output, and whether the engine must drop the sequence (a stop string)."""
         if choice.finish_reason is not None:  # already ended by a stop string
             return [], False
+        if out.token is not None:
+            choice.unlogged.append(out.token)
         delta, stop_now = self._take_token(choice, out)
         self._note_finish(choice, out)
         ending = choice.finish_reason in ("stop", "length")
@@ -183,16 +192,54 @@ class JobRun:
             delta = self._closing(choice, delta)
         if not self.include_reasoning:
             delta.reasoning = ""
+        for call in delta.tool_calls:
+            if call.id is not None:
+                call.id = self._call_id(choice, call.index)
         choice.message.add(delta)
-        events = [self._chunk(choice, delta)] if delta else []
         # A cancelled choice ends its stream with `abort`, as a job cancelled while queued does (and as vLLM does):
-        # a stream reader learns what a poller sees.
-        if ending or choice.finish_reason == "abort":
+        # a stream reader learns what a poller sees. That chunk, the last, carries the token ids with the finish.
+        closes = ending or choice.finish_reason == "abort"
+        events = [self._chunk(choice, delta, carries_ids=not closes)] if delta else []
+        if closes:
             finish = self.chunks.chunk(
                 choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
             )
-            events.append(self._event(EventKind.chunk, finish))
+            events.append(self._event(EventKind.chunk, finish, choice))
         return events, stop_now
+
+    def _call_id(self, choice: Choice, index: int) -> str:
+        """A tool call's id, the same in every attempt at the job: a resumed job's result names the calls its
+        stream named."""
+        digest = hashlib.blake2b(f"{self.job.id}/{choice.index}/{index}".encode(), digest_size=16).hexdigest()
+        return f"chatcmpl-tool-{digest}"
+
+    def resume(self, log: list[Event]) -> None:
+        """Takes the job up where an earlier attempt's log stops. The tokens its events carried go again, silently,
+        through each choice's grammar, stop strings, detokenizer and parser, which leaves every choice as it stood
+        after its last logged event; the next event continues the stream with the next number."""
+        self.resumed = True
+        for c in self.choices:
+            if self.echo:
+                c.message.add(Delta(content=self.echo))
+        for event in log:
+            if event.ids and event.data and event.data.get("choices"):
+                logged = event.data["choices"][0]
+                choice = self.choices[logged["index"]]
+                self._replay(choice, event.ids, logged.get("finish_reason"))
+                choice.logprobs.extend(self.chunks.read_logprobs(logged.get("logprobs")))
+        self.last_seq = log[-1].seq if log else 0
+
+    def _replay(self, choice: Choice, ids: list[int], finish_reason: str | None) -> None:
+        seq = choice.seq
+        for i, token in enumerate(ids):
+            # As the engine takes a sampled token in; the last one of a finished choice came with its finish.
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+            seq.output_ids.append(token)
+            ended = finish_reason is not None and i == len(ids) - 1
+            finish = (Finish.length if finish_reason == "length" else Finish.stop) if ended else None
+            self.on_output(choice, Output(seq, token, finish))
+        choice.unlogged, choice.unsent_logprobs = [], []
 
     def _take_token(self, choice: Choice, out: Output) -> tuple[Delta, bool]:
         """The new token's text through stop strings and the parser; whether a stop string ended it early."""

@@ -46,24 +46,35 @@ class StepWrites:
         return bool(self.events or self.progress or self.ended)
 
 
+@dataclass
+class Written:
+    """What Redis said of a step: the worker's jobs that clients cancelled and that had not ended by this step, and
+    those it no longer holds (another worker took them over, or they were handed back)."""
+
+    cancelled: set[str] = field(default_factory=set)
+    lost: set[str] = field(default_factory=set)
+
+
 class Publisher:
     def __init__(self, client: redis.Redis, settings: Settings, worker: str):
         self.redis = client
         self.ttl = settings.result_ttl
+        self.model = settings.model_name
+        self.worker = worker
         self.cancels = keys.cancels(worker)
         self._refused: set[str] = set()  # event logs already reported as unwritable
 
-    def flush(self, writes: StepWrites) -> set[str]:
-        """Sends one step's writes; returns the ids of the worker's jobs that clients cancelled and that had not
-        ended by this step."""
-        # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record.
+    def flush(self, writes: StepWrites) -> Written:
+        """Sends one step's writes."""
+        # MULTI/EXEC: a step's writes land together, so whoever sees a job's `done` event also sees its final record,
+        # and a worker taking a job over finds the token ids of every event logged.
         pipe = self.redis.pipeline(transaction=True)
         if writes.events:
             # One script call, not two commands per event: packing commands dominates a step's publish cost.
             # No MAXLEN: a job's log is bounded by its tokens and expires with it.
-            scripts.publish_events(pipe, writes.events)
+            scripts.publish_events(pipe, self.worker, writes.events)
         for job_id, tokens in writes.progress.items():
-            scripts.update_record(pipe, job_id, self.ttl, {"completion_tokens": tokens}, last=False)
+            self._update(pipe, job_id, {"completion_tokens": tokens}, last=False)
         now = str(time.time())
         for end in writes.ended:
             fields: dict[str, str | bytes] = {
@@ -75,7 +86,7 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            scripts.update_record(pipe, end.job_id, self.ttl, fields, last=True)
+            self._update(pipe, end.job_id, fields, last=True)
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
@@ -90,20 +101,32 @@ class Publisher:
                 raise error  # the whole step is sent again: what already landed is skipped or written the same
         if errors:
             log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
-        if writes.events and isinstance(results[0], list):
-            refused = set(results[0]) - self._refused
-            if refused:
-                log.error(
-                    "event logs holding another type of value: their jobs' events are published only: %s", refused
-                )
-            self._refused |= refused
+        lost = self._note_refused(results[0]) if writes.events and isinstance(results[0], list) else set()
+        updated = [*writes.progress, *(end.job_id for end in writes.ended)]  # in the order of their scripts' replies
+        lost |= {job_id for job_id, held in zip(updated, results[bool(writes.events) :], strict=False) if held == 0}
         self._refused -= {keys.events(end.job_id) for end in writes.ended}
         cancels = results[-1]
-        return set() if isinstance(cancels, Exception) else {c if isinstance(c, str) else c.decode() for c in cancels}
+        cancelled = set() if isinstance(cancels, Exception) else {_text(c) for c in cancels}
+        return Written(cancelled, lost)
+
+    def _update(self, pipe: redis.client.Pipeline, job_id: str, fields: dict, last: bool) -> None:
+        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last)
+
+    def _note_refused(self, reply: list) -> set[str]:
+        """Logs the event logs newly found unwritable; the ids of the jobs this worker lost."""
+        refused = {_text(k) for k in reply[0]} - self._refused
+        if refused:
+            log.error("event logs holding another type of value: their jobs' events are published only: %s", refused)
+        self._refused |= refused
+        return {_text(k).removeprefix(keys.job("")) for k in reply[1]}
+
+
+def _text(value: str | bytes) -> str:
+    return value if isinstance(value, str) else value.decode()
 
 
 class Outbox:
-    """Flushes steps' writes in order, then calls `then` with the ids of jobs clients cancelled.
+    """Flushes steps' writes in order, then calls `then` with what Redis said of them.
 
     Threaded, `put` returns at once but at most `depth` steps wait: a Redis slower than the engine slows it rather
     than let a backlog grow. Unthreaded (on a CPU), `put` writes the step itself: the forward pass uses every core, and
@@ -114,13 +137,13 @@ class Outbox:
         self.publisher = publisher
         self._closing = threading.Event()
         self._retry = Retry(log, "Redis cannot take a step")
-        self._queue: queue.Queue[tuple[StepWrites, Callable[[set[str]], None]] | None] = queue.Queue(depth)
+        self._queue: queue.Queue[tuple[StepWrites, Callable[[Written], None]] | None] = queue.Queue(depth)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="chatq-publish", daemon=True)
             self._thread.start()
 
-    def put(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
+    def put(self, writes: StepWrites, then: Callable[[Written], None]) -> None:
         if self._thread is None:
             self._write(writes, then)
         else:
@@ -138,17 +161,17 @@ class Outbox:
         while (item := self._queue.get()) is not None:
             self._write(*item)
 
-    def _write(self, writes: StepWrites, then: Callable[[set[str]], None]) -> None:
-        cancelled: set[str] = set()
+    def _write(self, writes: StepWrites, then: Callable[[Written], None]) -> None:
+        written = Written()
         try:
             # Sent again until Redis takes it: the step's events are skipped where they were already written.
-            cancelled = self._retry.run(lambda: self.publisher.flush(writes), stop=self._closing)
+            written = self._retry.run(lambda: self.publisher.flush(writes), stop=self._closing)
         except Exception as e:
             if transient(e):
                 log.error("shutting down while Redis refuses a step: its writes are lost (%s)", e)
             else:
                 log.exception("writing a step to Redis failed")
         try:
-            then(cancelled)
+            then(written)
         except Exception:
             log.exception("finishing a written step failed")

@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 
 from chatq.core.errors import InternalError
-from chatq.core.job import Job
+from chatq.core.job import Event, Job
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker.engine import Engine, Output
 from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.jobrun import Choice, Decoder, JobRun
-from chatq.worker.publish import Outbox, Publisher, StepWrites
+from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class Runner:
         self.settings = settings
         self.compiler = compiler
         self._new: queue.SimpleQueue[JobRun] = queue.SimpleQueue()
+        self._lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # jobs another worker holds now
         self.runs: dict[str, JobRun] = {}
         self.by_seq: dict[str, tuple[JobRun, Choice]] = {}
         self._stop = threading.Event()
@@ -76,8 +77,11 @@ class Runner:
         if self.outbox is not None:
             self.outbox.close()
 
-    def submit(self, job: Job) -> JobRun:
+    def submit(self, job: Job, log: list[Event] | None = None) -> JobRun:
+        """Runs the job; with the log of an earlier attempt, from where that log stops."""
         run = JobRun(job, self.model, self.decoder, settings=self.settings, compiler=self.compiler)
+        if log is not None and run.choices:
+            run.resume(log)
         self._new.put(run)
         self.engine.wakeup.set()
         return run
@@ -101,7 +105,17 @@ class Runner:
                 log.exception("engine loop iteration failed")
                 self._stop.wait(0.5)
 
+    def holds(self, job_id: str) -> JobRun | None:
+        return self.runs.get(job_id)
+
+    def release(self, job_ids: list[str]) -> None:
+        """Stops these jobs' runs without writing anything: they were handed to other workers."""
+        for job_id in job_ids:
+            self._lost.put(job_id)
+        self.engine.wakeup.set()
+
     def _iterate(self) -> None:
+        self._drop_lost()
         writes = StepWrites()
         touched = self._take_new(writes)
         if not writes and not touched and not self.engine.has_work():
@@ -112,10 +126,12 @@ class Runner:
             self._handle(out, writes, touched)
         ended = self._close_or_progress(touched, writes)
 
-        def written(cancelled: set[str]) -> None:
+        def written(said: Written) -> None:
             # May run in the outbox's thread: a run's choices are fixed once started, and engine.cancel acts at the
             # next step. Unstarted jobs stay in the cancel set until they start.
-            for job_id in cancelled:
+            for job_id in said.lost:
+                self._lost.put(job_id)
+            for job_id in said.cancelled:
                 run = self.runs.get(job_id)
                 for c in run.choices if run is not None else ():
                     self.engine.cancel(c.seq.id)
@@ -140,9 +156,26 @@ class Runner:
             writes.events.extend((run.job.id, e) for e in run.start())
             for c in run.choices:
                 self.by_seq[c.seq.id] = (run, c)
-                self.engine.add(c.seq)
+                if c.finish_reason is None:  # a resumed job's choice may have finished in the earlier attempt
+                    self.engine.add(c.seq)
             if run.finished:
                 refused[run.job.id] = run
+
+    def _drop_lost(self) -> None:
+        """Stops, without a word to Redis, the runs of jobs that another worker holds now: the job goes on there."""
+        while True:
+            try:
+                job_id = self._lost.get_nowait()
+            except queue.Empty:
+                return
+            run = self.runs.pop(job_id, None)
+            if run is None:
+                continue
+            log.warning("job %s is held by another worker now: stopping this worker's run of it", job_id)
+            for c in run.choices:
+                self.by_seq.pop(c.seq.id, None)
+                self.engine.cancel(c.seq.id)
+            run.done.set()
 
     def _step(self) -> list[Output]:
         if not self.engine.has_work():

@@ -21,6 +21,7 @@ from chatq.embedded_redis import EmbeddedRedis, free_port
 def record(r: redis.Redis, job_id: str) -> None:
     """The job's record, which exists before any stream of it opens: a stream of a job without one ends at once."""
     r.hsetnx(keys.job(job_id), "id", job_id)
+    r.hsetnx(keys.job(job_id), "status", "in_progress")
 
 
 def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
@@ -31,7 +32,7 @@ def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
         events.append((job_id, Event(s, EventKind.done if s == last else EventKind.chunk, data)))
     record(r, job_id)  # the worker writes only the events of jobs that exist
     pipe = r.pipeline(transaction=False)
-    scripts.publish_events(pipe, events)
+    scripts.publish_events(pipe, "relay-test", events)
     pipe.execute()
 
 

@@ -327,3 +327,70 @@ def test_a_stop_token_shows_in_the_text_when_stops_are_asked_for_and_is_named(de
     _, result = feed_all(run, [*ids(decoder, "Hi there"), 2], Finish.stop)
     choice = result["choices"][0]
     assert (choice["message"]["content"], choice["stop_reason"]) == ("Hi there", 2)
+
+
+def _feed(run: JobRun, tokens: list[int], events: list, steps: list[int] | None = None) -> dict:
+    """Adds the events of `tokens` (the last one EOS), handed over one a step as the engine would, with made-up
+    logprobs; the result. `steps` gets the number of events after each step that leaves the job running."""
+    c = run.choices[0]
+    for t in tokens[len(c.seq.output_ids) :]:
+        if c.seq.grammar is not None:
+            c.seq.grammar.accept(t)
+        c.seq.output_ids.append(t)
+        logprob = TokenLogprob(-0.25, [(t, -0.25), (t + 1, -1.5)])
+        events += run.on_output(c, Output(c.seq, t, Finish.stop if t == 2 else None, logprob))[0]
+        if steps is not None and c.finish_reason is None:
+            steps.append(len(events))
+    closing, end = run.end()
+    events += closing
+    return end.result
+
+
+RESUMED = {
+    "a stop string after held-back text": (
+        {"stream": True, "logprobs": True, "top_logprobs": 2, "stop": ["plaît"]},
+        "Un café au lait, s'il vous plaît 🙂 merci",
+        Settings(),
+    ),
+    "reasoning, then the answer": ({"stream": True}, "<think>Hmm, 🙂 a greeting.</think>\n\nHello!", None),
+    "a required tool call": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+        | {"tool_choice": "required"},
+        '[{"name": "f", "parameters": {"city": "Paris"}}]',
+        Settings(),
+    ),
+    "a JSON object held by the grammar": ({"response_format": {"type": "json_object"}}, '{"a": [1, 2]}', Settings()),
+    "a legacy echo with text offsets": (None, " and then some 🙂 more", Settings()),
+}
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_job_resumed_from_any_point_of_its_log_continues_it_exactly(decoder, case):
+    fields, text, settings = RESUMED[case]
+    settings = settings or Settings(reasoning_parser="qwen3")
+    if fields is None:
+        request = CompletionRequest(prompt="Say", echo=True, logprobs=2, stream=True)
+        the_job = Job(id="cmpl-resumed", model="m", kind="text", request=request, prompt_ids=ids(decoder, "Say"))
+    else:
+        the_job = job(**fields)
+    info = model_info(200, (2,))
+    compiler = GrammarCompiler(decoder.tokenizer, info.vocab_size, eos_token_ids=(2,))
+    tokens = [*ids(decoder, text), 2]
+
+    def run() -> JobRun:
+        return JobRun(the_job, info, decoder, settings=settings, compiler=compiler)
+
+    first, steps = run(), []
+    events = first.start()
+    whole = _feed(first, tokens, events, steps)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    logged = [t for e in events for t in e.ids or []]
+    assert len(logged) > 5 and logged == tokens[: len(logged)]
+    # A worker dies after any step: the next one takes the log so far and goes on from its last event.
+    for cut in steps:
+        again = run()
+        again.resume(events[:cut])
+        resumed = events[:cut] + again.start()
+        result = _feed(again, tokens, resumed)
+        assert [e.to_json() for e in resumed] == [e.to_json() for e in events], f"cut after {cut}"
+        assert result == whole

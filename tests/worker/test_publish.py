@@ -13,7 +13,7 @@ import redis
 from chatq.core import keys, scripts
 from chatq.core.job import Event, EventKind, JobStatus
 from chatq.embedded_redis import EmbeddedRedis
-from chatq.worker.publish import JobEnd, Outbox, Publisher, StepWrites
+from chatq.worker.publish import JobEnd, Outbox, Publisher, StepWrites, Written
 from tests.helpers import cancel_job
 
 
@@ -64,22 +64,22 @@ def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
         if worker:
             assert claim(r, job_id, worker)
     a, b = publisher(settings, "w@a"), publisher(settings, "w@b")
-    assert a.flush(StepWrites()) == set()
+    assert a.flush(StepWrites()).cancelled == set()
     for job_id in (mine, other, queued):
         cancel_job(settings, job_id)
     # Each worker hears of its own job at its next write, whatever that step carries, and again until the job ends.
-    assert a.flush(StepWrites()) == a.flush(StepWrites(progress={mine: 3})) == {mine}
-    assert b.flush(StepWrites()) == {other}
+    assert a.flush(StepWrites()).cancelled == a.flush(StepWrites(progress={mine: 3})).cancelled == {mine}
+    assert b.flush(StepWrites()).cancelled == {other}
     assert r.hget(keys.job(queued), "status") == "cancelled"  # a queued job is cancelled where it waits
-    assert a.flush(StepWrites(ended=[JobEnd(mine, JobStatus.cancelled, 3)])) == set()
-    assert a.flush(StepWrites()) == set() and b.flush(StepWrites()) == {other}
+    assert a.flush(StepWrites(ended=[JobEnd(mine, JobStatus.cancelled, 3)])).cancelled == set()
+    assert a.flush(StepWrites()).cancelled == set() and b.flush(StepWrites()).cancelled == {other}
 
     # The job is deleted while its worker is gone, and its id submitted again: the new job is not cancelled for it.
     cancel_job(settings, other)
     r.delete(keys.job(other))
     r.hset(keys.job(other), mapping={"id": other, "status": "queued"})
     assert claim(r, other, "w@b")
-    assert b.flush(StepWrites()) == set()
+    assert b.flush(StepWrites()).cancelled == set()
 
     # A running record that names no worker cannot be cancelled: said, rather than answered as done.
     r.hset(keys.job("chatcmpl-cancel-nameless"), mapping={"id": "chatcmpl-cancel-nameless", "status": "in_progress"})
@@ -97,13 +97,13 @@ def test_a_job_deleted_while_running_goes_with_its_last_write(settings):
     cancel_job(settings, job_id, delete=True)
     # Hidden from readers, but its id stays taken while its worker still writes: a job submitted again under it would
     # share its log.
-    assert pub.flush(StepWrites(progress={job_id: 3})) == {job_id}
+    assert pub.flush(StepWrites(progress={job_id: 3})).cancelled == {job_id}
     assert r.hget(keys.job(job_id), "deleted") == "1" and r.hget(keys.job(job_id), "completion_tokens") is None
     assert r.xlen(keys.events(job_id)) == 1
     ended = StepWrites(
         events=[(job_id, Event(seq=2, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.cancelled, 3)]
     )
-    assert pub.flush(ended) == set()
+    assert pub.flush(ended).cancelled == set()
     assert not r.exists(keys.job(job_id)) and not r.exists(keys.events(job_id))
     # Sent again, as after a reply lost on its way back: the log stays gone, or a job submitted again under the id
     # would meet the old run's events (and its own, numbered the same, would be skipped).
@@ -120,14 +120,14 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = f"chatcmpl-outbox-test-{threaded}"
     worker = f"w@outbox-{threaded}"
-    r.hset(keys.job(job_id), "id", job_id)
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
     outbox = Outbox(publisher(settings, worker), threaded=threaded)
     seen: list[tuple[int, int, set[str]]] = []
     for seq in range(1, 51):
         step = StepWrites(events=[(job_id, Event(seq=seq, event=EventKind.chunk, data={"n": seq}))])
 
-        def written(cancelled: set[str], seq: int = seq) -> None:
-            seen.append((seq, r.xlen(keys.events(job_id)), cancelled))
+        def written(said: Written, seq: int = seq) -> None:
+            seen.append((seq, r.xlen(keys.events(job_id)), said.cancelled))
 
         if seq == 50:
             r.sadd(keys.cancels(worker), job_id)
@@ -145,7 +145,7 @@ def test_outbox_writes_steps_in_order_and_reports_each_once_written(settings, th
 def test_a_step_sent_again_is_written_and_published_once(settings):
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     job_id = "chatcmpl-publish-twice"
-    r.hset(keys.job(job_id), "id", job_id)
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
     pub = publisher(settings)
     listener = r.pubsub()
     listener.subscribe(keys.live(job_id))
@@ -169,7 +169,9 @@ def test_a_step_is_sent_again_until_redis_is_back(tmp_path, settings, threaded):
     server = EmbeddedRedis(tmp_path).start()
     port = server.port
     client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
-    client.hset(keys.job("chatcmpl-retry"), "id", "chatcmpl-retry")  # kept across the restart, as the server persists
+    client.hset(
+        keys.job("chatcmpl-retry"), mapping={"id": "chatcmpl-retry", "status": "in_progress"}
+    )  # kept across the restart, as the server persists
     outbox = Outbox(publisher(settings, client=client), threaded=threaded)
     server.stop()
     written = threading.Event()
@@ -194,7 +196,7 @@ def test_a_step_waits_while_redis_is_out_of_memory(tmp_path, settings):
     client = redis.Redis(port=server.port, decode_responses=True)
     outbox = Outbox(publisher(settings, client=client), threaded=True)
     try:
-        client.hset(keys.job("chatcmpl-oom"), "id", "chatcmpl-oom")
+        client.hset(keys.job("chatcmpl-oom"), mapping={"id": "chatcmpl-oom", "status": "in_progress"})
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 1)  # below what it uses: every write is refused
         written = threading.Event()
@@ -216,7 +218,7 @@ def test_a_step_waits_while_redis_is_a_read_only_replica(tmp_path, settings, red
     try:
         # On both: once it syncs, a replica holds its primary's data.
         for c in (client, redis.Redis(port=redis_server.port)):
-            c.hset(keys.job("chatcmpl-ro"), "id", "chatcmpl-ro")
+            c.hset(keys.job("chatcmpl-ro"), mapping={"id": "chatcmpl-ro", "status": "in_progress"})
         client.replicaof("127.0.0.1", redis_server.port)  # as after a failover demoted it
         written = threading.Event()
         # Events only: the refusal comes from inside the publish script, not when the transaction is queued.
@@ -276,7 +278,7 @@ def test_steps_are_released_when_redis_refuses_them_or_is_gone_at_shutdown(setti
     step = StepWrites(
         events=[(job_id, Event(seq=1, event=EventKind.done))], ended=[JobEnd(job_id, JobStatus.completed, 1)]
     )
-    outbox.put(step, lambda cancelled: (reported.append(cancelled), refused.set()))
+    outbox.put(step, lambda said: (reported.append(said.cancelled), refused.set()))
     outbox.close()
     unreachable = Outbox(publisher(settings, client=redis.Redis(port=1, socket_connect_timeout=0.2)), threaded=threaded)
     step = StepWrites(events=[("chatcmpl-x", Event(seq=1, event=EventKind.done))])
@@ -300,7 +302,7 @@ def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
     broken, fine = "chatcmpl-broken-log", "chatcmpl-fine-log"
     r.set(keys.events(broken), "not a stream")
     for job_id in (broken, fine):
-        r.hset(keys.job(job_id), "id", job_id)
+        r.hset(keys.job(job_id), mapping={"id": job_id, "status": "in_progress"})
     worker = "w@broken-log"
     r.sadd(keys.cancels(worker), fine)
     listener = r.pubsub()
@@ -311,7 +313,7 @@ def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
         events=[(job_id, Event(seq=1, event=EventKind.chunk, data={"n": 1})) for job_id in (broken, fine)]
     )
     # The cancels are read whatever else the step met.
-    assert publisher(settings, worker).flush(step) == {fine}
+    assert publisher(settings, worker).flush(step).cancelled == {fine}
     live = [listener.get_message(timeout=5) for _ in range(2)]
     assert sorted(m["channel"] for m in live) == sorted([keys.live(broken), keys.live(fine)])
     assert r.xlen(keys.events(fine)) == 1 and r.type(keys.events(broken)) == "string"

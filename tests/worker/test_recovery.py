@@ -1,0 +1,246 @@
+"""A worker's death loses nothing: real worker processes killed (SIGKILL) or stopped (SIGTERM) mid-job, on a Redis and
+an API of this module's own. The job continues on another worker from its last published event."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from chatq.cli import api_command, worker_command
+from chatq.core import keys
+from chatq.core.settings import Settings
+from chatq.embedded_redis import EmbeddedRedis, free_port
+from tests.helpers import ROOT, Frame, frames
+
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
+
+
+class Cluster:
+    """The API and named worker processes, started and stopped as a test needs."""
+
+    def __init__(self, settings: Settings, logs: Path):
+        self.settings, self.logs = settings, logs
+        self.env = dict(os.environ) | {
+            "CHATQ_REDIS_URL": settings.redis_url,
+            "CHATQ_API_PORT": str(settings.api_port),
+            "CHATQ_WORKER_CONCURRENCY": "8",
+            "CHATQ_WORKER_TTL": str(settings.worker_ttl),
+            "CHATQ_STOP_GRACE": str(settings.stop_grace),
+            "CHATQ_MAX_ATTEMPTS": str(settings.max_attempts),
+            "CHATQ_SSE_KEEPALIVE": "0.5",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._started = 0
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (the process holds it)
+        proc = subprocess.Popen(command, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self) -> str:
+        self._started += 1
+        name = f"w{self._started}"
+        command = worker_command(self.settings)
+        command[command.index("-n") + 1] = f"{name}@test"
+        self.start(name, command)
+        return name
+
+    def live_workers(self) -> set[str]:
+        registry = self.r.zrangebyscore(keys.workers(self.settings.model_name), time.time() - 3, "+inf")
+        return {entry.split("@")[0] for entry in registry}
+
+    def wait_live(self, *names: str, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while not set(names) <= self.live_workers():
+            dead = [n for n in names if self.procs[n].poll() is not None]
+            assert not dead and time.time() < deadline, f"workers {names} did not register: {self.tail(*names)}"
+            time.sleep(0.2)
+
+    def holder(self, job_id: str, timeout: float = 120) -> str:
+        """The worker running the job, once one claimed it."""
+        deadline = time.time() + timeout
+        while not (worker := self.r.hget(keys.job(job_id), "worker")):
+            assert time.time() < deadline, f"no worker took {job_id}"
+            time.sleep(0.05)
+        return worker.split("@")[0]
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def tail(self, *names: str) -> str:
+        return "\n".join((self.logs / f"{n}.log").read_text(errors="replace")[-2000:] for n in names)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("recovery-redis"), persist=False).start()
+    settings = Settings(redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2)
+    c = Cluster(settings, tmp_path_factory.mktemp("recovery-logs"))
+    try:
+        c.start("api", api_command(settings))
+        c.wait_live(c.start_worker(), c.start_worker())
+        yield c
+    finally:
+        c.stop_all()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(cluster: Cluster) -> Iterator[httpx.Client]:
+    base = f"http://{cluster.settings.api_host}:{cluster.settings.api_port}"
+    with httpx.Client(base_url=base, timeout=120) as client:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, cluster.tail("api")
+            time.sleep(0.2)
+        yield client
+
+
+def body(max_tokens: int, **fields) -> dict:
+    return {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **fields}
+
+
+def answer(http: httpx.Client, max_tokens: int) -> str:
+    """The uninterrupted greedy answer."""
+    resp = http.post("/v1/chat/completions", json=body(max_tokens))
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def text_of(fs: list[Frame]) -> str:
+    return "".join(c["delta"].get("content") or "" for f in fs if f.data[0] == "{" for c in f.json.get("choices", []))
+
+
+def assert_whole(fs: list[Frame]) -> None:
+    """Every event once, in order, and the stream ended."""
+    assert [f.id for f in fs] == list(range(1, len(fs) + 1))
+    assert fs[-1].data == "[DONE]"
+
+
+def stream_signalling(
+    cluster: Cluster, http: httpx.Client, request: dict, at: int, *sigs: int
+) -> tuple[list[Frame], str]:
+    """The frames of a streamed request whose worker gets `sigs` once the stream carried `at` events; that worker."""
+    got: list[Frame] = []
+    holder = ""
+    with http.stream("POST", "/v1/chat/completions", json=request, timeout=httpx.Timeout(120, read=90)) as resp:
+        assert resp.status_code == 200, resp.read()
+        for frame in frames(resp.iter_lines()):
+            got.append(frame)
+            if len(got) == at:
+                holder = cluster.holder(got[0].json["id"])
+                for sig in sigs:
+                    cluster.signal(holder, sig)
+                    time.sleep(0.2)
+    return got, holder
+
+
+def finished_by(cluster: Cluster, job_id: str) -> str:
+    return cluster.r.hget(keys.job(job_id), "worker").split("@")[0]
+
+
+def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat(cluster, http):
+    expected = answer(http, 120)
+    fs, killed = stream_signalling(cluster, http, body(120, stream=True), 20, signal.SIGKILL)
+    assert_whole(fs)
+    assert text_of(fs) == expected
+    job_id = fs[0].json["id"]
+    assert http.get(f"/v1/chat/completions/{job_id}").json()["choices"][0]["message"]["content"] == expected
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    cluster.wait_live(cluster.start_worker())
+
+
+def background(http: httpx.Client, max_tokens: int) -> str:
+    resp = http.post("/v1/chat/completions", json=body(max_tokens, background=True))
+    assert resp.status_code == 202, resp.text
+    return resp.json()["id"]
+
+
+def wait_status(http: httpx.Client, job_id: str, *statuses: str, tokens: int = 0) -> dict:
+    deadline = time.time() + 120
+    while True:
+        job = http.get(f"/v1/chat/completions/{job_id}").json()
+        if job["status"] in statuses and job["progress"]["completion_tokens"] >= tokens:
+            return job
+        assert time.time() < deadline, f"job {job_id} stuck: {job}"
+        time.sleep(0.05)
+
+
+def replay(http: httpx.Client, job_id: str) -> list[Frame]:
+    with http.stream("GET", f"/v1/chat/completions/{job_id}?stream=true") as resp:
+        assert resp.status_code == 200
+        return list(frames(resp.iter_lines()))
+
+
+def new_holder(cluster: Cluster, job_id: str, old: str) -> str:
+    deadline = time.time() + 120
+    while (holder := cluster.holder(job_id)) == old or cluster.r.hget(keys.job(job_id), "status") != "in_progress":
+        assert time.time() < deadline, f"no other worker took {job_id} over"
+        time.sleep(0.05)
+    return holder
+
+
+def test_a_job_whose_workers_keep_dying_fails_once_its_attempts_are_spent(cluster, http):
+    job_id = background(http, 400)
+    wait_status(http, job_id, "in_progress", tokens=5)
+    first = cluster.holder(job_id)
+    cluster.signal(first, signal.SIGKILL)
+    second = new_holder(cluster, job_id, first)
+    tokens = wait_status(http, job_id, "in_progress")["progress"]["completion_tokens"]
+    wait_status(http, job_id, "in_progress", tokens=tokens + 5)
+    cluster.signal(second, signal.SIGKILL)
+    cluster.wait_live(cluster.start_worker(), cluster.start_worker())
+    job = wait_status(http, job_id, "failed")
+    assert "CHATQ_MAX_ATTEMPTS" in job["error"]["message"]
+    fs = replay(http, job_id)
+    assert_whole(fs)
+    assert "CHATQ_MAX_ATTEMPTS" in fs[-2].json["error"]["message"]
+    assert len(text_of(fs)) > 0  # what the attempts streamed stays in the log, before the error
+
+
+def test_a_stopped_worker_finishes_what_fits_its_grace_and_hands_the_rest_over(cluster, http):
+    expected = answer(http, 200)
+    short = background(http, 4)
+    fs, stopped = stream_signalling(cluster, http, body(200, stream=True), 10, signal.SIGTERM)
+    assert_whole(fs)
+    assert text_of(fs) == expected
+    long_id = fs[0].json["id"]
+    assert finished_by(cluster, long_id) != stopped
+    assert cluster.r.hget(keys.job(long_id), "attempts") == "1"  # handed over, not lost: no attempt counted
+    assert wait_status(http, short, "completed")["choices"][0]["finish_reason"] == "length"
+    assert cluster.procs[stopped].wait(timeout=60) == 0
+    cluster.wait_live(cluster.start_worker())
+
+
+def test_a_second_signal_hands_the_jobs_over_at_once(cluster, http):
+    expected = answer(http, 200)
+    fs, stopped = stream_signalling(cluster, http, body(200, stream=True), 10, signal.SIGTERM, signal.SIGTERM)
+    assert_whole(fs)
+    assert text_of(fs) == expected
+    job_id = fs[0].json["id"]
+    assert finished_by(cluster, job_id) != stopped and cluster.r.hget(keys.job(job_id), "attempts") == "1"
+    assert cluster.procs[stopped].poll() is not None
+    cluster.wait_live(cluster.start_worker())
