@@ -9,6 +9,7 @@ Layout (documented in docs/redis.md):
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
   chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
+  unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def running(model: str) -> str:
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
+
+# kombu's Redis transport keeps each delivered, unacknowledged message here (by delivery tag) until its ack.
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
 
 # kombu's Redis transport keeps priority lane n of queue q in the list "q\x06\x16n", lane 0 in "q" itself.
 _LANE_SEP = "\x06\x16"

@@ -44,10 +44,11 @@ async def submit(
 
 
 # KEYS: job, waiting zset, the claiming worker's cancel set, the model's running set. ARGV: worker name, now, job id,
-# the priority lane the task came in.
+# the priority lane the task came in, its kombu delivery tag.
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return {} end
-redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2], 'lane', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1], 'started', ARGV[2], 'lane', ARGV[4],
+  'delivery', ARGV[5])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('ZREM', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[4], ARGV[3])
@@ -60,26 +61,34 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
-def claim(client: redis.Redis, job_id: str, model: str, worker: str, lane: int = 0) -> dict[str, str]:
+def claim(
+    client: redis.Redis, job_id: str, model: str, worker: str, lane: int = 0, delivery: str = ""
+) -> dict[str, str]:
     """The job's record, now held by `worker`; empty when the job is not this worker's to run (cancelled, expired,
     held by another). A cancel asked of an earlier holder (which died or handed the job back) carries over to this
     one; one left in this worker's set for an earlier job of the same id (deleted, then submitted again) does not."""
     claim_keys = (keys.job(job_id), keys.waiting(model), keys.cancels(worker), keys.running(model))
-    record = client.eval(_CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id, lane)
+    record = client.eval(_CLAIM, len(claim_keys), *claim_keys, worker, time.time(), job_id, lane, delivery)
     return dict(zip(record[::2], record[1::2], strict=True))  # type: ignore[index]
 
 
-# KEYS: job, events, live, the model's live-worker registry, running set, waiting zset. ARGV: job id, the holder it
+# KEYS: job, events, live, the model's live-worker registry, running set, waiting zset, kombu's unacked hash and
+# index. ARGV: job id, the holder it
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
 # result ttl, then the error event's data and the record's error, should the job have run out of attempts.
 _RECLAIM = """
-local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted')
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery')
 if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
 if ARGV[4] ~= '0' then
   local beat = redis.call('ZSCORE', KEYS[4], ARGV[2])
   if beat and tonumber(beat) >= tonumber(ARGV[3]) - tonumber(ARGV[4]) then return nil end
 end
 redis.call('SREM', KEYS[5], ARGV[1])
+-- The holder's Celery message, never to be acknowledged now: gone, rather than delivered again hours later.
+if h[5] and h[5] ~= '' then
+  redis.call('HDEL', KEYS[7], h[5])
+  redis.call('ZREM', KEYS[8], h[5])
+end
 if h[4] then
   redis.call('DEL', KEYS[1], KEYS[2])
   return 'deleted'
@@ -129,7 +138,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     or failed once its attempts ran out. What became of it, or None when it was not `holder`'s to lose (ended,
     reclaimed by someone else, its holder alive again). One script, so two sweepers never requeue a job twice."""
     job_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id), keys.workers(model)]
-    job_keys += [keys.running(model), keys.waiting(model)]
+    job_keys += [keys.running(model), keys.waiting(model), keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
     return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors)  # type: ignore[return-value]

@@ -149,8 +149,9 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
 @app.task(name=GENERATE_TASK, bind=True)
 def generate(self, job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
-    lane = (self.request.delivery_info or {}).get("priority") or 0
-    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane)
+    properties = self.request.properties or {}
+    lane, delivery = properties.get("priority") or 0, properties.get("delivery_tag") or ""
+    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane, delivery)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
     if (stale := _state.runner.holds(job_id)) is not None:

@@ -24,7 +24,7 @@ import torch
 from chatq.worker.blocks import BlockManager
 from chatq.worker.forward import Batch, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
-from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, to_device
+from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
 
 if TYPE_CHECKING:
     from chatq.worker.grammar import GrammarState
@@ -108,6 +108,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
+        self.vocab_size = config.vocab_size
 
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -122,6 +123,8 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            if not seq.params.greedy:
+                skip_draws(seq.generator, len(seq.output_ids), self.vocab_size)
         with self._lock:
             self._inbox.append(seq)
         self.wakeup.set()

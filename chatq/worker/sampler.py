@@ -204,6 +204,14 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     return ids, logprobs
 
 
+def skip_draws(generator: torch.Generator, tokens: int, vocab: int) -> None:
+    """Advances a seeded row's generator past the draws `_pick` made for `tokens` sampled tokens: a sequence taken up
+    with output already (a job continued on another worker) then samples what it would have sampled."""
+    noise = torch.empty(vocab, device=generator.device)
+    for _ in range(tokens):
+        noise.exponential_(generator=generator)
+
+
 def _pick(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     dev = logits.device
     if all(r.params.greedy for r in rows):

@@ -288,6 +288,18 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
     assert sampled([]) == sampled(prompts[1:4])
 
 
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_sequence_taken_up_with_its_output_so_far_continues_as_it_would_have(model, prompts, params):
+    # As a worker continues a job from its log: prompt and output prefilled again, then sampling goes on.
+    def engine() -> Engine:
+        return Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+
+    whole = run(engine(), [Sequence("x", prompts[1], SamplingParams(max_tokens=30, **params))])["x"].output_ids
+    for cut in (1, 13):
+        again = Sequence("x", prompts[1], SamplingParams(max_tokens=30, **params), output_ids=whole[:cut])
+        assert run(engine(), [again])["x"].output_ids == whole
+
+
 def test_stop_token_ends_a_sequence(model, prompts, reference):
     stop_at = reference[0][4]
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)

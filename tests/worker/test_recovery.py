@@ -170,6 +170,11 @@ def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat
     job_id = fs[0].json["id"]
     assert http.get(f"/v1/chat/completions/{job_id}").json()["choices"][0]["message"]["content"] == expected
     assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    # The dead worker's Celery message went with the reclaim: nothing is left to be delivered again hours later.
+    deadline = time.time() + 10
+    while cluster.r.hlen(keys.KOMBU_UNACKED):
+        assert time.time() < deadline, cluster.r.hgetall(keys.KOMBU_UNACKED)
+        time.sleep(0.1)
     cluster.wait_live(cluster.start_worker())
 
 
