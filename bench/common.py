@@ -81,7 +81,8 @@ def wait_healthy(url: str, procs: Sequence[Proc], timeout: float = 300) -> None:
 
 
 class Services:
-    """Embedded Redis, one Celery worker and one API as subprocesses configured by CHATQ_* variables.
+    """Embedded Redis, Celery workers (one unless `workers` says) and one API as subprocesses configured by CHATQ_*
+    variables.
 
     A context manager: everything started is stopped on exit. `worker_app` swaps the Celery app module of the worker
     (the zero-cost test double of bench/zero_worker.py); the command line is otherwise `chatq.cli.worker_command`'s.
@@ -94,8 +95,11 @@ class Services:
         device: str = "auto",
         keep_logs: bool = False,
         extra_env: dict[str, str] | None = None,
+        workers: int = 1,
     ):
         self.worker_concurrency = worker_concurrency
+        self.workers = workers
+        self.env: dict[str, str] = {}
         self.extra_env = extra_env or {}
         self.keep_logs = keep_logs
         self.worker_app = worker_app
@@ -131,14 +135,24 @@ class Services:
                 PYTHONUNBUFFERED="1",
             )
             env.update(self.extra_env)
-            worker = [self.worker_app if a == "chatq.worker.celery_app" else a for a in worker_command(self.settings)]
-            self.procs.append(Proc("worker", worker, env, self.tmp))
+            self.env = env
+            for _ in range(self.workers):
+                self.add_worker()
             self.procs.append(Proc("api", api_command(self.settings), env, self.tmp))
             wait_healthy(f"{self.base_url}/health", self.procs)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def add_worker(self) -> Proc:
+        """Starts one more worker, named worker, worker2, ... (its Celery node name too)."""
+        name = "worker" + (str(n) if (n := 1 + sum(p.name.startswith("worker") for p in self.procs)) > 1 else "")
+        worker = [self.worker_app if a == "chatq.worker.celery_app" else a for a in worker_command(self.settings)]
+        worker[worker.index("-n") + 1] = f"{name}@%h"
+        proc = Proc(name, worker, self.env, self.tmp)
+        self.procs.append(proc)
+        return proc
 
     def __exit__(self, *_: object) -> None:
         for p in reversed(self.procs):
