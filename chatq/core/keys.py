@@ -7,6 +7,7 @@ Layout (documented in docs/redis.md):
   chatq:cancels:{worker}    set    ids of that worker's running jobs that a client cancelled; read at every step
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
+  chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
 """
 
@@ -39,6 +40,12 @@ def waiting(model: str) -> str:
 
 def workers(model: str) -> str:
     return f"{PREFIX}:workers:{model}"
+
+
+def idempotency(owner: str, key: str) -> str:
+    """The job an Idempotency-Key names. `owner` is a hex hash (or empty for an open API), so the key's own colons
+    cannot make two owners' names meet."""
+    return f"{PREFIX}:idem:{owner}:{key}"
 
 
 def celery_queue(model: str) -> str:
