@@ -14,7 +14,6 @@ from redis.backoff import ExponentialBackoff
 from chatq.api import errors
 from chatq.api.admission import ServedModel
 from chatq.api.auth import Keys
-from chatq.api.body_limit import BodyLimit
 from chatq.api.jobs import JobStore
 from chatq.api.relay import Relay
 from chatq.api.routes import Service, open_router, router
@@ -56,7 +55,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keys = api_keys
     app.include_router(router)
     app.include_router(open_router)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     errors.install(app)
     return app
 

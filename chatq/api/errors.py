@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreachable
+from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreachable, RequestTooLarge
 
 
 def error_response(e: ChatqError) -> JSONResponse:
@@ -24,6 +24,15 @@ class _HTTPError(ChatqError):
     def __init__(self, e: HTTPException):
         super().__init__(str(e.detail))
         self.status, self.type = e.status_code, self.TYPES.get(e.status_code, "APIError")
+
+
+class BodyTooLarge(HTTPException):
+    """A body that passed the limit while it was read: an HTTPException, as FastAPI turns any other exception raised
+    while it reads a body into a 400; answered as RequestTooLarge."""
+
+    def __init__(self, limit: int):
+        super().__init__(413)
+        self.limit = limit
 
 
 def _param(loc: tuple) -> str | None:
@@ -78,6 +87,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        if isinstance(e, BodyTooLarge):
+            return error_response(RequestTooLarge(e.limit))
         return error_response(_HTTPError(e))
 
     @app.exception_handler(redis.ConnectionError)

@@ -20,11 +20,12 @@ from fastapi.routing import APIRoute
 
 from chatq.api.admission import ServedModel
 from chatq.api.auth import Owner, authenticate
+from chatq.api.errors import BodyTooLarge
 from chatq.api.jobs import JobStore
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
 from chatq.core import keys
-from chatq.core.errors import BadRequest, ClientDisconnected, ServiceUnavailable
+from chatq.core.errors import BadRequest, ClientDisconnected, RequestTooLarge, ServiceUnavailable
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from chatq.core.settings import Settings
@@ -50,7 +51,21 @@ def _service(request: Request) -> Service:
 
 class JSONRequest(Request):
     """A request whose JSON body orjson reads: strict RFC 8259, so NaN, Infinity, numbers beyond a double and
-    unpaired surrogates are a 400 (values nothing downstream could store or encode), and faster than Python's json."""
+    unpaired surrogates are a 400 (values nothing downstream could store or encode), and faster than Python's json.
+    Its body is read only up to the limit."""
+
+    limit = 0
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > self.limit:  # a chunked body: refused once past the limit, the rest unread
+                    raise BodyTooLarge(self.limit)
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -59,11 +74,20 @@ class JSONRequest(Request):
 
 
 class JSONRoute(APIRoute):
+    """Routes whose requests are JSONRequests. Here rather than in FastAPI's max_body_size: Starlette answers a
+    Content-Length over that limit with its own plain-text 413, replacing any OpenAI-shaped one."""
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(JSONRequest(request.scope, request.receive))
+            limit = _service(request).settings.max_body_bytes
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                raise RequestTooLarge(limit)  # at once, none of the body read
+            limited = JSONRequest(request.scope, request.receive)
+            limited.limit = limit
+            return await handler(limited)
 
         return route
 
