@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
@@ -67,10 +68,24 @@ class JSONRequest(Request):
             self._body = b"".join(chunks)
         return self._body
 
+    json_error: orjson.JSONDecodeError | None = None
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = orjson.loads(await self.body())
+            try:
+                self._json = orjson.loads(await self.body())
+            except orjson.JSONDecodeError as e:
+                # Raised by _valid_json, after the API key's check: FastAPI reads the body before any dependency.
+                self.json_error, self._json = e, None
         return self._json
+
+
+async def _valid_json(request: Request) -> None:
+    """Raises the body's JSON error, as FastAPI would have, had it been raised while FastAPI read the body."""
+    error = getattr(request, "json_error", None)
+    if error is not None:
+        problem = {"type": "json_invalid", "loc": ("body", error.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([problem | {"ctx": {"error": error.msg}}])
 
 
 class JSONRoute(APIRoute):
@@ -94,7 +109,7 @@ class JSONRoute(APIRoute):
 
 Svc = Annotated[Service, Depends(_service)]
 # Every route on it needs an API key when keys are configured; /health and /version stay open.
-router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate)])
+router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(_valid_json)])
 open_router = APIRouter(route_class=JSONRoute)
 
 # Printable ASCII, as HTTP header values are, within a length that keeps the Redis key name small.

@@ -50,6 +50,9 @@ def test_a_missing_or_wrong_key_is_a_401(guarded: Guarded, method: str, path: st
             resp = http.request(method, path, json=body, headers=headers)
             error = assert_error(resp, 401, "AuthenticationError", None)
             assert KEY_A not in error["message"] and resp.headers["www-authenticate"] == "Bearer"
+        if method == "POST":  # the key is checked before the body is: a body that is not JSON is a 401 too
+            resp = http.request(method, path, content=b"{not json", headers={"Content-Type": "application/json"})
+            assert_error(resp, 401, "AuthenticationError", None)
     assert guarded.r.dbsize() == jobs  # nothing was created
 
 
