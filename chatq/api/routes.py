@@ -56,6 +56,7 @@ class JSONRequest(Request):
     Its body is read only up to the limit."""
 
     limit = 0
+    json_error: orjson.JSONDecodeError | None = None
 
     async def body(self) -> bytes:
         if not hasattr(self, "_body"):
@@ -67,8 +68,6 @@ class JSONRequest(Request):
                 chunks.append(chunk)
             self._body = b"".join(chunks)
         return self._body
-
-    json_error: orjson.JSONDecodeError | None = None
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -125,7 +124,7 @@ class Submit:
     idempotency_key: str | None
 
 
-def _submit_headers(
+async def _submit_headers(
     owner: Owner,
     x_request_id: str | None = Header(default=None),
     idempotency_key: str | None = Header(default=None),
