@@ -196,6 +196,12 @@ def _base_url(settings: Settings) -> str:
     return os.environ.get("CHATQ_API_URL", _url(settings.api_host, settings.api_port))
 
 
+def _headers(settings: Settings) -> dict[str, str]:
+    """The API key `chat` and `job` send: CHATQ_API_KEY, else the first of the API's own CHATQ_API_KEYS."""
+    key = os.environ.get("CHATQ_API_KEY") or next(iter(settings.api_key_list), "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: float | None) -> int:
     body: dict = {
         "model": settings.model_name,
@@ -206,7 +212,8 @@ def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: f
         body["max_tokens"] = max_tokens
     if temperature is not None:
         body["temperature"] = temperature
-    with httpx.stream("POST", f"{_base_url(settings)}/v1/chat/completions", json=body, timeout=None) as r:
+    url = f"{_base_url(settings)}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=_headers(settings), timeout=None) as r:
         if r.status_code != 200:
             r.read()
             print(r.text, file=sys.stderr)
@@ -226,14 +233,15 @@ def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: f
 
 def job(settings: Settings, action: str, job_id: str) -> int:
     base = f"{_base_url(settings)}/v1/chat/completions/{job_id}"
-    r = httpx.get(base) if action == "get" else httpx.post(f"{base}/cancel")
+    headers = _headers(settings)
+    r = httpx.get(base, headers=headers) if action == "get" else httpx.post(f"{base}/cancel", headers=headers)
     print(json.dumps(r.json(), indent=2))
     return 0 if r.status_code == 200 else 1
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """CHATQ_ variables that name no setting: a misspelt CHATQ_REDIS_URI would otherwise start a private Redis."""
-    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields} | {"CHATQ_API_URL"}
+    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields} | {"CHATQ_API_URL", "CHATQ_API_KEY"}
     return sorted(name for name in environ if name.upper().startswith("CHATQ_") and name.upper() not in known)
 
 

@@ -59,6 +59,9 @@ def _env(settings: Settings) -> dict[str, str]:
         CHATQ_API_PORT=str(settings.api_port),
         CHATQ_WORKER_CONCURRENCY=str(settings.worker_concurrency),
         CHATQ_SSE_KEEPALIVE=str(settings.sse_keepalive),
+        CHATQ_API_KEYS=settings.api_keys.get_secret_value(),
+        CHATQ_MAX_QUEUED=str(settings.max_queued),
+        CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -4,13 +4,19 @@ against the context, token ids against the vocabulary. A request refused here cr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import cached_property
+from typing import TypeVar
+
+import anyio
 
 from chatq.core.errors import BadRequest, ModelNotFound, ServiceUnavailable
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from chatq.core.settings import Settings
+
+T = TypeVar("T")
 
 
 class ServedModel:
@@ -20,6 +26,13 @@ class ServedModel:
         self.name = settings.model_name
         self.settings = settings
         self.created = int(time.time())
+        # Rendering and tokenizing run in threads, so a long prompt costs its own request time, not the event
+        # loop's; bounded, so many at once queue here rather than take every core.
+        self.limiter = anyio.CapacityLimiter(settings.render_threads)
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) in one of the render threads."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -13,9 +13,10 @@ from redis.backoff import ExponentialBackoff
 
 from chatq.api import errors
 from chatq.api.admission import ServedModel
+from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.relay import Relay
-from chatq.api.routes import Service, router
+from chatq.api.routes import Service, open_router, router
 from chatq.core import collector
 from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
@@ -39,9 +40,11 @@ def create_app(settings: Settings) -> FastAPI:
     client = redis_client(settings)
     store = JobStore(client, make_celery(settings), settings)
     service = Service(settings, client, store, Relay(client, settings.redis_url), ServedModel(settings))
+    api_keys = Keys(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        api_keys.warn_if_open()
         collector.settle()
         yield
         await client.aclose()
@@ -49,7 +52,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="chatq", lifespan=lifespan)
     app.state.service = service
+    app.state.keys = api_keys
     app.include_router(router)
+    app.include_router(open_router)
     errors.install(app)
     return app
 

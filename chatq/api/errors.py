@@ -8,10 +8,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreachable
+from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreachable, RequestTooLarge
 
 
-def _response(e: ChatqError) -> JSONResponse:
+def error_response(e: ChatqError) -> JSONResponse:
+    """The HTTP answer to `e`: its status, its OpenAI error body and its headers (Retry-After, WWW-Authenticate)."""
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
@@ -23,6 +24,15 @@ class _HTTPError(ChatqError):
     def __init__(self, e: HTTPException):
         super().__init__(str(e.detail))
         self.status, self.type = e.status_code, self.TYPES.get(e.status_code, "APIError")
+
+
+class BodyTooLarge(HTTPException):
+    """A body that passed the limit while it was read: an HTTPException, as FastAPI turns any other exception raised
+    while it reads a body into a 400; answered as RequestTooLarge."""
+
+    def __init__(self, limit: int):
+        super().__init__(413)
+        self.limit = limit
 
 
 def _param(loc: tuple) -> str | None:
@@ -69,22 +79,24 @@ def _validation_error(e: RequestValidationError) -> BadRequest:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ChatqError)
     async def _chatq_error(_: Request, e: ChatqError) -> JSONResponse:
-        return _response(e)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _response(_validation_error(e))
+        return error_response(_validation_error(e))
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:
-        return _response(_HTTPError(e))
+        if isinstance(e, BodyTooLarge):
+            return error_response(RequestTooLarge(e.limit))
+        return error_response(_HTTPError(e))
 
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def _redis_unreachable(_: Request, e: Exception) -> JSONResponse:
         # Redis restarting or out of reach: a 503, which clients such as the openai SDK retry, not a 500.
-        return _response(RedisUnreachable())
+        return error_response(RedisUnreachable())
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        return _response(InternalError("The server had an error processing the request."))
+        return error_response(InternalError("The server had an error processing the request."))

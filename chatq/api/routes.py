@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -14,15 +15,18 @@ from typing import Annotated, Any, Literal
 import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from chatq.api.admission import ServedModel
+from chatq.api.auth import Owner, authenticate
+from chatq.api.errors import BodyTooLarge
 from chatq.api.jobs import JobStore
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
 from chatq.core import keys
-from chatq.core.errors import BadRequest, ClientDisconnected, ServiceUnavailable
+from chatq.core.errors import BadRequest, ClientDisconnected, RequestTooLarge, ServiceUnavailable
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from chatq.core.settings import Settings
@@ -48,53 +52,113 @@ def _service(request: Request) -> Service:
 
 class JSONRequest(Request):
     """A request whose JSON body orjson reads: strict RFC 8259, so NaN, Infinity, numbers beyond a double and
-    unpaired surrogates are a 400 (values nothing downstream could store or encode), and faster than Python's json."""
+    unpaired surrogates are a 400 (values nothing downstream could store or encode), and faster than Python's json.
+    Its body is read only up to the limit."""
+
+    limit = 0
+    json_error: orjson.JSONDecodeError | None = None
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > self.limit:  # a chunked body: refused once past the limit, the rest unread
+                    raise BodyTooLarge(self.limit)
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = orjson.loads(await self.body())
+            try:
+                self._json = orjson.loads(await self.body())
+            except orjson.JSONDecodeError as e:
+                # Raised by _valid_json, after the API key's check: FastAPI reads the body before any dependency.
+                self.json_error, self._json = e, None
         return self._json
 
 
+async def _valid_json(request: Request) -> None:
+    """Raises the body's JSON error, as FastAPI would have, had it been raised while FastAPI read the body."""
+    error = getattr(request, "json_error", None)
+    if error is not None:
+        problem = {"type": "json_invalid", "loc": ("body", error.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([problem | {"ctx": {"error": error.msg}}])
+
+
 class JSONRoute(APIRoute):
+    """Routes whose requests are JSONRequests. Here rather than in FastAPI's max_body_size: Starlette answers a
+    Content-Length over that limit with its own plain-text 413, replacing any OpenAI-shaped one."""
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(JSONRequest(request.scope, request.receive))
+            limit = _service(request).settings.max_body_bytes
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                raise RequestTooLarge(limit)  # at once, none of the body read
+            limited = JSONRequest(request.scope, request.receive)
+            limited.limit = limit
+            return await handler(limited)
 
         return route
 
 
 Svc = Annotated[Service, Depends(_service)]
-router = APIRouter(route_class=JSONRoute)
+# Every route on it needs an API key when keys are configured; /health and /version stay open.
+router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(_valid_json)])
+open_router = APIRouter(route_class=JSONRoute)
+
+# Printable ASCII, as HTTP header values are, within a length that keeps the Redis key name small.
+IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Who submits, and the headers that shape the job: its id and idempotency key."""
+
+    owner: str
+    request_id: str | None
+    idempotency_key: str | None
+
+
+async def _submit_headers(
+    owner: Owner,
+    x_request_id: str | None = Header(default=None),
+    idempotency_key: str | None = Header(default=None),
+) -> Submit:
+    if idempotency_key is not None and not IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+        raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters.", "Idempotency-Key")
+    return Submit(owner, x_request_id, idempotency_key)
+
+
+SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, svc: Svc, x_request_id: str | None = Header(default=None)
-) -> Any:
-    prompt_ids = svc.model.chat_prompt(body)
-    return await _respond(svc, body, "chat", prompt_ids, request, x_request_id)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+    prompt_ids = await svc.model.off_loop(svc.model.chat_prompt, body)
+    return await _respond(svc, body, "chat", prompt_ids, request, sub)
 
 
 @router.post("/v1/completions")
-async def create_completion(
-    body: CompletionRequest, request: Request, svc: Svc, x_request_id: str | None = Header(default=None)
-) -> Any:
-    prompt_ids = svc.model.text_prompt(body)
-    return await _respond(svc, body, "text", prompt_ids, request, x_request_id)
+async def create_completion(body: CompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+    prompt_ids = await svc.model.off_loop(svc.model.text_prompt, body)
+    return await _respond(svc, body, "text", prompt_ids, request, sub)
 
 
 @router.get("/v1/chat/completions/{job_id}")
 async def get_chat_completion(
     job_id: str,
     svc: Svc,
+    owner: Owner,
     stream: bool = False,
     starting_after: int | None = Query(default=None, ge=0, le=MAX_SEQ),
     last_event_id: str | None = Header(default=None),
 ) -> Any:
-    job = await svc.store.get(job_id)
+    job = await svc.store.get(job_id, owner)
     if not stream:
         return await svc.store.view(job)
     after = _resume_point(starting_after, last_event_id)
@@ -106,9 +170,9 @@ async def get_chat_completion(
 
 
 @router.post("/v1/chat/completions/{job_id}/cancel")
-async def cancel_chat_completion(job_id: str, svc: Svc) -> Any:
-    await svc.store.cancel(job_id)
-    job = await svc.store.get(job_id)
+async def cancel_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
+    await svc.store.cancel(job_id, owner=owner)
+    job = await svc.store.get(job_id, owner)
     if job.status is JobStatus.in_progress:
         # Answered once the run stopped (at the worker's next step), so the answer shows the job cancelled;
         # a worker that does not answer in time leaves it shown running.
@@ -116,19 +180,22 @@ async def cancel_chat_completion(job_id: str, svc: Svc) -> Any:
             # From the event before the last, so that a `done` already logged is still met.
             after = max((await svc.relay.last_seq(job.id) or 0) - 1, 0)
             await asyncio.wait_for(svc.relay.done(job.id, after), CANCEL_WAIT)
-        job = await svc.store.get(job_id)
+        job = await svc.store.get(job_id, owner)
     return await svc.store.view(job)
 
 
 @router.delete("/v1/chat/completions/{job_id}")
-async def delete_chat_completion(job_id: str, svc: Svc) -> Any:
-    await svc.store.delete(job_id)
+async def delete_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
+    await svc.store.delete(job_id, owner)
     return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, svc: Svc) -> Any:
-    model = svc.model
+    return await svc.model.off_loop(_tokenize, svc.model, body)
+
+
+def _tokenize(model: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
     model.resolve(body.model)
     if body.messages is not None:
         ids = model.renderer.render(_as_chat(body)).ids
@@ -142,14 +209,18 @@ async def tokenize(body: TokenizeRequest, svc: Svc) -> Any:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, svc: Svc) -> Any:
-    svc.model.resolve(body.model)
-    vocab = svc.model.info.vocab_size
+    return await svc.model.off_loop(_detokenize, svc.model, body)
+
+
+def _detokenize(model: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
+    model.resolve(body.model)
+    vocab = model.info.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequest(f"token ids must be in 0..{vocab - 1}", "tokens")
-    return {"prompt": svc.model.info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return {"prompt": model.info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-@router.get("/version")
+@open_router.get("/version")
 async def version() -> Any:
     return {"version": importlib.metadata.version("chatq")}
 
@@ -167,7 +238,7 @@ async def list_models(svc: Svc) -> Any:
     return {"object": "list", "data": [card]}
 
 
-@router.get("/health")
+@open_router.get("/health")
 async def health(svc: Svc) -> Any:
     name = svc.model.name
     try:
@@ -186,24 +257,32 @@ async def _respond(
     kind: Literal["chat", "text"],
     prompt_ids: list[int],
     request: Request,
-    x_request_id: str | None,
+    sub: Submit,
 ) -> Any:
-    """Submits the job, then answers as the request asks: its stream, 202 with the job, or the whole answer."""
+    """Submits the job, then answers as the request asks: its stream, 202 with the job, or the whole answer.
+
+    A repeated idempotency key answers the same way with the job it names. Only the request that created a job
+    cancels it when its client disconnects: a retry that goes away leaves the job to the others waiting on it.
+    """
     model = svc.model.resolve(body.model)
-    job, position = await svc.store.submit(body, kind, model, prompt_ids, x_request_id or body.request_id)
+    request_id = sub.request_id or body.request_id
+    job, position, created = await svc.store.submit(
+        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key
+    )
+    cancels = created and not body.background
     if body.stream:
-        on_disconnect = None if body.background else lambda: svc.store.cancel_soon(job.id)
+        on_disconnect = (lambda: svc.store.cancel_soon(job.id)) if cancels else None
         return job_stream(svc.relay, job.id, 0, svc.settings, on_disconnect)
     if body.background:
         return JSONResponse(await svc.store.view(job, position), status_code=202)
-    done = await _done_or_disconnected(svc, job.id, request)
+    done = await _done_or_disconnected(svc, job.id, request, cancels)
     if done.data is not None:  # completed: the answer came with `done`
         return Response(orjson.dumps(done.data), media_type="application/json")
     return await _finished(svc, await svc.store.get(job.id))
 
 
-async def _done_or_disconnected(svc: Service, job_id: str, request: Request) -> Event:
-    """The job's `done` event once it ended; the job is cancelled if the client disconnects first."""
+async def _done_or_disconnected(svc: Service, job_id: str, request: Request, cancels: bool) -> Event:
+    """The job's `done` event once it ended; if the client disconnects first, the job is cancelled (if `cancels`)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -214,7 +293,8 @@ async def _done_or_disconnected(svc: Service, job_id: str, request: Request) -> 
     for t in (done_task, gone_task):
         t.cancel()
     if done_task not in finished:
-        svc.store.cancel_soon(job_id)
+        if cancels:
+            svc.store.cancel_soon(job_id)
         raise ClientDisconnected("The client disconnected.")
     return done_task.result()
 

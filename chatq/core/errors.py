@@ -55,6 +55,37 @@ class JobGone(NotFound):
         super().__init__("The job was deleted or has expired.")
 
 
+class AuthenticationFailed(ChatqError):
+    """A missing or wrong API key; the message never repeats the key sent."""
+
+    status, type = 401, "AuthenticationError"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+class RequestTooLarge(ChatqError):
+    status, type = 413, "RequestTooLargeError"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body is larger than this server accepts ({limit} bytes).")
+
+
+class QueueFull(ChatqError):
+    """Too many jobs wait for a worker of the model: nothing was enqueued; the client retries later."""
+
+    status, type = 429, "RateLimitError"
+
+    def __init__(self, model: str, retry_after: int) -> None:
+        super().__init__(
+            f"Too many requests are waiting for model `{model}`; retry later.",
+            headers={"Retry-After": str(retry_after)},
+        )
+
+
 class Conflict(ChatqError):
     status, type = 409, "ConflictError"
 

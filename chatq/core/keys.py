@@ -8,6 +8,7 @@ Layout (documented in docs/redis.md):
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
   chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
+  chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
   unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
 """
@@ -45,6 +46,12 @@ def workers(model: str) -> str:
 
 def running(model: str) -> str:
     return f"{PREFIX}:running:{model}"
+
+
+def idempotency(owner: str, key: str) -> str:
+    """The job an Idempotency-Key names. `owner` is a hex hash (or empty for an open API), so the key's own colons
+    cannot make two owners' names meet."""
+    return f"{PREFIX}:idem:{owner}:{key}"
 
 
 def celery_queue(model: str) -> str:

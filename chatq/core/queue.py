@@ -17,12 +17,19 @@ PRIORITY_LANES = 10
 REDIS_TRANSPORT = "chatq.core.broker:RedisTransport"
 
 
-def celery_priority(priority: int) -> int:
+# Interactive requests (a client holds a connection open) take the first half of the lanes, background jobs the
+# second: any waiting interactive job is picked before every background one.
+_HALF = PRIORITY_LANES // 2
+
+
+def celery_priority(priority: int, background: bool = False) -> int:
     """A request's priority (lower goes first, 0 by default, as in vLLM) -> one of Redis' ten lanes, 0 served first.
 
-    The default sits in lane 4, so both more and less urgent requests have room; the extremes share the end lanes.
+    Within its half, the default sits in the middle lane, so both more and less urgent requests have room; the
+    extremes share the end lanes.
     """
-    return min(max(priority + 4, 0), PRIORITY_LANES - 1)
+    lane = min(max(priority + _HALF // 2, 0), _HALF - 1)
+    return lane + _HALF if background else lane
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -66,8 +66,7 @@ class Renderer:
             raise BadRequest(f"The chat template could not render these messages: {e}", "messages") from e
         if request.continue_final_message:
             text = _cut_after_final(text, request.messages[-1], self.content_parts[name])
-        ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
-        return Prompt(text=text, ids=ids)
+        return Prompt(text=text, ids=self._ids(text, request.add_special_tokens))
 
     @staticmethod
     def _message(m: Message, i: int, as_parts: bool) -> dict[str, Any]:
@@ -111,7 +110,12 @@ class Renderer:
         ids are taken as is."""
         if isinstance(prompt, list):
             return list(prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        return self._ids(prompt, add_special_tokens)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: only the batch call lets go of the GIL while it runs, so a long prompt tokenized
+        # in a thread leaves the API's event loop running.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _cut_after_final(text: str, last: Message, as_parts: bool) -> str:

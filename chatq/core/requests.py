@@ -119,6 +119,11 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 MAX_TOP_LOGPROBS = 20
 # OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
 MAX_N = 128
+# Bounds on a request's lists, so a body within CHATQ_MAX_BODY_BYTES still renders in bounded time: far above what a
+# conversation or a tool set needs. (`stop` holds at most 4 strings, OpenAI's limit.)
+MAX_MESSAGES = 4096
+MAX_TOOLS = 1024
+MAX_STOP = 4
 
 
 class GenerationRequest(BaseModel):
@@ -177,8 +182,8 @@ class GenerationRequest(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         stops = [] if v is None else [v] if isinstance(v, str) else v
         if isinstance(stops, list):
-            if len(stops) > 4:
-                raise ValueError("stop may hold at most 4 sequences")
+            if len(stops) > MAX_STOP:
+                raise ValueError(f"stop may hold at most {MAX_STOP} sequences")
             if any(s == "" for s in stops):
                 raise ValueError("stop sequences must not be empty")
         return stops
@@ -366,6 +371,10 @@ class ChatCompletionRequest(GenerationRequest):
 
     def check(self) -> None:
         super().check()
+        if len(self.messages) > MAX_MESSAGES:
+            raise BadRequest(f"`messages` may hold at most {MAX_MESSAGES} messages.", "messages")
+        if len(self.tools or []) > MAX_TOOLS:
+            raise BadRequest(f"`tools` may hold at most {MAX_TOOLS} tools.", "tools")
         if self.top_logprobs is not None:
             # vLLM's rule: 0 (its default) asks for nothing, so it needs no logprobs.
             if self.top_logprobs != 0 and not self.logprobs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -21,26 +22,76 @@ from redis.client import Pipeline
 from chatq.core import keys
 from chatq.core.job import Event
 
-# KEYS: job, waiting zset, Celery queue list. ARGV: job id, score, task message, then the record's field/value
-# pairs. Returns the job's waiting rank, or nil if the id is taken.
+# KEYS: job, waiting zset, Celery queue list, idempotency key. ARGV: job id, score, task message, the cap on waiting
+# jobs (0: none), keys.job(""), "1" when the request has an idempotency key, then the record's field/value pairs.
+# Returns {"queued", rank}, {"existing", id}, {"full"} or {"taken"}. The idempotent job's record key is completed
+# from the idempotency key's value, which Redis Cluster forbids (as the cancel script does).
 _SUBMIT = """
-if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return nil end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+local idem = ARGV[6] == '1'
+if idem then
+  local existing = redis.call('GET', KEYS[4])
+  if existing then
+    local record = ARGV[5] .. existing
+    if redis.call('EXISTS', record) == 1 and redis.call('HEXISTS', record, 'deleted') == 0 then
+      return {'existing', existing}
+    end
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'taken'} end
+local cap = tonumber(ARGV[4])
+if cap > 0 and redis.call('ZCARD', KEYS[2]) >= cap then return {'full'} end
+redis.call('HSET', KEYS[1], 'id', ARGV[1], unpack(ARGV, 7))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('LPUSH', KEYS[3], ARGV[3])
-return redis.call('ZRANK', KEYS[2], ARGV[1])
+if idem then redis.call('SET', KEYS[4], ARGV[1]) end
+return {'queued', redis.call('ZRANK', KEYS[2], ARGV[1])}
 """
 
 
+class Outcome(StrEnum):
+    queued = "queued"  # recorded and enqueued
+    existing = "existing"  # the idempotency key names a live job: nothing was written
+    full = "full"  # too many jobs wait for the model: nothing was written
+    taken = "taken"  # the job id belongs to another job: nothing was written
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    outcome: Outcome
+    job_id: str  # the existing job's, for Outcome.existing
+    rank: int | None = None  # the job's rank in the waiting set, for Outcome.queued
+
+
 async def submit(
-    client: aioredis.Redis, job_id: str, model: str, record: Mapping[str, str], queue: str, message: str, score: float
-) -> int | None:
-    """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get;
-    the job's rank in the waiting set, or None when its id is taken (a repeated request_id never overwrites a job)."""
+    client: aioredis.Redis,
+    job_id: str,
+    model: str,
+    record: Mapping[str, str],
+    queue: str,
+    message: str,
+    score: float,
+    max_queued: int = 0,
+    idem: str | None = None,
+) -> Submitted:
+    """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get.
+
+    In the same step: a job the idempotency key already names is answered instead, a queue holding `max_queued`
+    waiting jobs refuses it (so many APIs together never overshoot), and a taken id is refused (a repeated
+    request_id never overwrites a job). `idem` is the idempotency key's Redis key (keys.idempotency); it is the
+    record's `idem` field too, set with no expiry: the job's end expires it.
+    """
     script = client.register_script(_SUBMIT)
-    return await script(
-        keys=[keys.job(job_id), keys.waiting(model), queue], args=[job_id, score, message, *_flat(record)]
+    fields = {**record, "idem": idem} if idem else record
+    flags: list[str | int] = [max_queued, keys.job(""), "1" if idem else "0"]
+    reply = await script(
+        # Without an idempotency key, the fourth key is never touched: the record's name stands in.
+        keys=[keys.job(job_id), keys.waiting(model), queue, idem or keys.job(job_id)],
+        args=[job_id, score, message, *flags, *_flat(fields)],
     )
+    outcome = Outcome(reply[0])
+    if outcome is Outcome.existing:
+        return Submitted(outcome, reply[1])
+    return Submitted(outcome, job_id, reply[1] if outcome is Outcome.queued else None)
 
 
 # KEYS: job, waiting zset, the claiming worker's cancel set, the model's running set. ARGV: worker name, now, job id,
@@ -159,6 +210,8 @@ if status == 'queued' then
     redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  local idem = redis.call('HGET', KEYS[1], 'idem')
+  if idem then redis.call('EXPIRE', idem, ARGV[1]) end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
   if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
@@ -167,6 +220,8 @@ elseif status == 'in_progress' then
   redis.call('EXPIRE', ARGV[3] .. worker, ARGV[1])
 end
 if ARGV[4] == '1' then
+  local idem = redis.call('HGET', KEYS[1], 'idem')
+  if idem then redis.call('DEL', idem) end
   if status == 'in_progress' then
     redis.call('HSET', KEYS[1], 'deleted', '1')
     for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -68,6 +69,17 @@ class Settings(BaseSettings):
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
 
+    # Admission and access
+    # Comma-separated keys clients send as `Authorization: Bearer <key>`; empty: the API is open to anyone. Secret,
+    # so a printed or logged Settings never shows them.
+    api_keys: SecretStr = SecretStr("")
+    # Jobs of one model waiting for a worker (running ones not counted) past which a new request is a 429 (0: no cap).
+    max_queued: NonNegative = 1000
+    # Request bodies larger than this are a 413, refused before they are read whole.
+    max_body_bytes: Positive = 4 * 1024 * 1024
+    # Threads that render and tokenize prompts off the event loop, at most this many at once.
+    render_threads: Positive = Field(default_factory=lambda: 2 * (os.cpu_count() or 1))
+
     @field_validator("cache_dir")
     @classmethod
     def _expand_home(cls, path: Path) -> Path:
@@ -79,3 +91,8 @@ class Settings(BaseSettings):
         if self.model:
             return Path(self.model).expanduser()
         return self.cache_dir / "models" / self.model_name
+
+    @property
+    def api_key_list(self) -> list[str]:
+        """The configured API keys, blanks around commas dropped."""
+        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]

@@ -12,7 +12,7 @@ from flower.utils.broker import Broker
 
 from chatq.core import keys
 from chatq.core.broker import RedisTransport
-from chatq.core.queue import GENERATE_TASK, make_celery, task_message
+from chatq.core.queue import GENERATE_TASK, celery_priority, make_celery, task_message
 from chatq.core.settings import Settings
 
 RANDOM = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to", "argsrepr"}
@@ -58,3 +58,14 @@ def test_flower_reads_the_length_of_a_models_queue(settings: Settings, r: redis.
         assert asyncio.run(broker.queues([queue])) == [{"name": queue, "messages": 1}]
     finally:
         r.delete(lane_queue)
+
+
+def test_interactive_lanes_come_before_background_ones() -> None:
+    interactive = [celery_priority(p) for p in range(-10, 11)]
+    background = [celery_priority(p, background=True) for p in range(-10, 11)]
+    assert max(interactive) < min(background)
+    assert set(interactive) == {0, 1, 2, 3, 4} and set(background) == {5, 6, 7, 8, 9}
+    # Within each half, a lower priority value goes first; the default sits in the middle, with room both ways.
+    assert interactive == sorted(interactive) and background == sorted(background)
+    assert celery_priority(0) == 2 and celery_priority(0, background=True) == 7
+    assert celery_priority(-1) < celery_priority(0) < celery_priority(1)

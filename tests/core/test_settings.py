@@ -26,3 +26,16 @@ def test_the_command_names_the_variable_that_is_wrong(monkeypatch, capsys):
     monkeypatch.setenv("CHATQ_WORKER_TTL", "0")
     assert main(["job", "get", "x"]) == 2
     assert "chatq: CHATQ_WORKER_TTL: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_the_admission_settings_are_settings_not_misspellings():
+    from chatq.cli import unknown_variables
+
+    environ = {"CHATQ_API_KEYS": "a,b", "CHATQ_API_KEY": "a", "CHATQ_MAX_QUEUED": "5", "CHATQ_MAX_BODY_BYTES": "9"}
+    assert unknown_variables(environ | {"CHATQ_RENDER_THREADS": "2"}) == []
+
+
+def test_api_keys_are_split_on_commas_and_hidden():
+    settings = Settings(api_keys=" a , b,,")
+    assert settings.api_key_list == ["a", "b"] and "a , b" not in repr(settings)
+    assert Settings(api_keys="").api_key_list == []

@@ -1,0 +1,130 @@
+"""API keys: without the right one every route but /health and /version is a 401, and a job is seen, streamed,
+cancelled and deleted only with the key that created it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from chatq.api.app import create_app
+from chatq.core import keys
+from chatq.core.settings import Settings
+from tests.api.conftest import KEY_A, KEY_B, Guarded
+from tests.helpers import assert_error, wait_for
+
+M = [{"role": "user", "content": "hi"}]
+GUARDED = [
+    ("POST", "/v1/chat/completions", {"messages": M, "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/chat/completions/chatcmpl-x", None),
+    ("POST", "/v1/chat/completions/chatcmpl-x/cancel", None),
+    ("DELETE", "/v1/chat/completions/chatcmpl-x", None),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+]
+BAD_HEADERS = [
+    {},
+    {"Authorization": "Bearer wrong-key"},
+    {"Authorization": f"Basic {KEY_A}"},
+    {"Authorization": "Bearer"},
+    {"Authorization": KEY_A},
+    {"Authorization": f"Bearer {KEY_A}x"},
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED)
+def test_a_missing_or_wrong_key_is_a_401(guarded: Guarded, method: str, path: str, body: dict | None):
+    jobs = guarded.r.dbsize()
+    with guarded.client(None) as http:
+        for headers in BAD_HEADERS:
+            resp = http.request(method, path, json=body, headers=headers)
+            error = assert_error(resp, 401, "AuthenticationError", None)
+            assert KEY_A not in error["message"] and resp.headers["www-authenticate"] == "Bearer"
+        if method == "POST":  # the key is checked before the body is: a body that is not JSON is a 401 too
+            resp = http.request(method, path, content=b"{not json", headers={"Content-Type": "application/json"})
+            assert_error(resp, 401, "AuthenticationError", None)
+    assert guarded.r.dbsize() == jobs  # nothing was created
+
+
+def test_health_and_version_need_no_key(guarded: Guarded):
+    with guarded.client(None) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/version").status_code == 200
+
+
+def test_either_configured_key_is_let_in(guarded: Guarded):
+    for key in (KEY_A, KEY_B):
+        sdk = openai.OpenAI(base_url=f"{guarded.base}/v1", api_key=key, max_retries=0, timeout=120)
+        assert [m.id for m in sdk.models.list().data] == [guarded.settings.model_name]
+    sdk = openai.OpenAI(base_url=f"{guarded.base}/v1", api_key="nope", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        sdk.models.list()
+
+
+def test_a_job_is_visible_only_to_the_key_that_created_it(guarded: Guarded):
+    with guarded.client(KEY_A) as a, guarded.client(KEY_B) as b:
+        resp = a.post("/v1/chat/completions", json={"messages": M, "max_tokens": 3, "background": True})
+        assert resp.status_code == 202, resp.text
+        job_id = resp.json()["id"]
+        record = guarded.r.hgetall(keys.job(job_id))
+        # The owner is the key's hash; the key itself is nowhere in the record.
+        assert record["owner"] == hashlib.sha256(KEY_A.encode()).hexdigest()
+        assert not any(KEY_A in v for v in record.values())
+
+        missing = "chatcmpl-no-such-job"
+        for method, suffix, params in (
+            ("GET", "", {}),
+            ("GET", "", {"stream": "true"}),
+            ("POST", "/cancel", {}),
+            ("DELETE", "", {}),
+        ):
+            theirs = b.request(method, f"/v1/chat/completions/{job_id}{suffix}", params=params)
+            nobodys = b.request(method, f"/v1/chat/completions/{missing}{suffix}", params=params)
+            assert theirs.status_code == nobodys.status_code == 404
+            assert theirs.json() == _with_id(nobodys.json(), missing, job_id)
+
+        # Untouched by B's cancel and delete: A still sees it run to its end.
+        done = wait_for(a, job_id, lambda j: j["status"] != "queued" and j["status"] != "in_progress")
+        assert done["status"] == "completed"
+        assert a.delete(f"/v1/chat/completions/{job_id}").json()["deleted"] is True
+
+
+def _with_id(body: dict, old: str, new: str) -> dict:
+    body["error"]["message"] = body["error"]["message"].replace(old, new)
+    return body
+
+
+def test_an_open_api_warns_once_at_start(settings: Settings, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.WARNING, logger="chatq.api.auth")
+    with TestClient(create_app(settings)) as http:
+        assert http.get("/version").status_code == 200
+    warnings = [r for r in caplog.records if "open to anyone" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+
+
+def test_a_keyed_api_does_not_warn(settings: Settings, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.WARNING, logger="chatq.api.auth")
+    keyed = settings.model_copy(update={"api_keys": SecretStr(KEY_A)})
+    with TestClient(create_app(keyed)) as http:
+        assert http.get("/v1/models").status_code == 401
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        assert http.get("/v1/models", headers=headers).status_code in (200, 503)  # 503: model files not read yet
+    assert not [r for r in caplog.records if "open to anyone" in r.getMessage()]
+
+
+def test_the_command_sends_its_key(guarded: Guarded):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATQ_")} | {"CHATQ_API_URL": guarded.base}
+    command = [sys.executable, "-m", "chatq.cli", "job", "get", "chatcmpl-no-such-job"]
+    for key, error_type in ((None, "AuthenticationError"), (KEY_B, "NotFoundError")):
+        run = subprocess.run(command, env=env | ({"CHATQ_API_KEY": key} if key else {}), capture_output=True, text=True)
+        assert run.returncode == 1 and json.loads(run.stdout)["error"]["type"] == error_type, run.stderr

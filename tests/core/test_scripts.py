@@ -1,0 +1,128 @@
+"""The submit script against a real Redis: the cap on waiting jobs and idempotency keys, each in one atomic step,
+and the idempotency key's expiry when its job ends or is deleted."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from chatq.core import keys, scripts
+from chatq.core.job import Event, EventKind
+from chatq.core.scripts import Outcome
+from chatq.core.settings import Settings
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    yield c
+    await c.aclose()
+
+
+def _model() -> str:
+    return f"no-worker-{uuid.uuid4().hex[:8]}"  # no worker serves it: whatever is queued stays queued
+
+
+async def _submit(
+    client: aioredis.Redis, model: str, cap: int = 0, idem: str | None = None, job_id: str | None = None
+) -> scripts.Submitted:
+    job_id = job_id or f"chatcmpl-{uuid.uuid4().hex}"
+    record = {"id": job_id, "model": model, "status": "queued"}
+    return await scripts.submit(client, job_id, model, record, keys.celery_queue(model), "msg", 1.0, cap, idem)
+
+
+def _enqueued(r: redis.Redis, model: str) -> tuple[int, int]:
+    """Jobs in the model's waiting set, and task messages in its Celery list."""
+    return r.zcard(keys.waiting(model)), r.llen(keys.celery_queue(model))
+
+
+async def test_exactly_the_cap_of_concurrent_submits_is_queued(client: aioredis.Redis, r: redis.Redis):
+    model = _model()
+    results = await asyncio.gather(*(_submit(client, model, cap=10) for _ in range(60)))
+    queued = [s for s in results if s.outcome is Outcome.queued]
+    full = [s for s in results if s.outcome is Outcome.full]
+    assert (len(queued), len(full)) == (10, 50)
+    assert _enqueued(r, model) == (10, 10)
+    assert not any(r.exists(keys.job(s.job_id)) for s in full)
+
+
+async def test_running_jobs_do_not_count_against_the_cap(client: aioredis.Redis, r: redis.Redis):
+    model = _model()
+    first = await _submit(client, model, cap=1)
+    assert (await _submit(client, model, cap=1)).outcome is Outcome.full
+    r.zrem(keys.waiting(model), first.job_id)  # what a worker's claim does
+    assert (await _submit(client, model, cap=1)).outcome is Outcome.queued
+
+
+async def test_no_cap_when_zero(client: aioredis.Redis, r: redis.Redis):
+    model = _model()
+    results = await asyncio.gather(*(_submit(client, model, cap=0) for _ in range(20)))
+    assert {s.outcome for s in results} == {Outcome.queued}
+
+
+async def test_a_taken_id_is_refused_and_left_alone(client: aioredis.Redis, r: redis.Redis):
+    model = _model()
+    first = await _submit(client, model)
+    again = await _submit(client, model, job_id=first.job_id)
+    assert again.outcome is Outcome.taken and _enqueued(r, model) == (1, 1)
+
+
+async def test_one_idempotency_key_makes_one_job_however_many_race(client: aioredis.Redis, r: redis.Redis):
+    model, idem = _model(), keys.idempotency("owner-a", f"k-{uuid.uuid4().hex}")
+    results = await asyncio.gather(*(_submit(client, model, idem=idem) for _ in range(20)))
+    [made] = [s for s in results if s.outcome is Outcome.queued]
+    assert all(s.job_id == made.job_id for s in results)
+    assert _enqueued(r, model) == (1, 1)
+    assert r.get(idem) == made.job_id and r.ttl(idem) == -1  # no expiry while the job lives
+    assert r.hget(keys.job(made.job_id), "idem") == idem
+    # Another owner's same key is another key.
+    other = await _submit(client, model, idem=keys.idempotency("owner-b", idem.rsplit(":", 1)[1]))
+    assert other.outcome is Outcome.queued and other.job_id != made.job_id
+
+
+async def test_an_existing_job_is_returned_even_when_the_queue_is_full(client: aioredis.Redis, r: redis.Redis):
+    model, idem = _model(), keys.idempotency("", f"k-{uuid.uuid4().hex}")
+    made = await _submit(client, model, cap=1, idem=idem)
+    again = await _submit(client, model, cap=1, idem=idem)
+    assert (again.outcome, again.job_id) == (Outcome.existing, made.job_id)
+
+
+async def test_the_jobs_last_write_expires_its_idempotency_key(client: aioredis.Redis, r: redis.Redis):
+    model, idem = _model(), keys.idempotency("", f"k-{uuid.uuid4().hex}")
+    made = await _submit(client, model, idem=idem)
+    pipe = r.pipeline()
+    scripts.update_record(pipe, made.job_id, 120, {"status": "completed"}, last=True)
+    pipe.execute()
+    assert 0 < r.ttl(idem) <= 120 and 0 < r.ttl(keys.job(made.job_id)) <= 120
+    # Until then, the key still names the job.
+    assert (await _submit(client, model, idem=idem)).job_id == made.job_id
+
+
+async def test_cancel_expires_and_delete_removes_the_idempotency_key(client: aioredis.Redis, r: redis.Redis):
+    model = _model()
+    closing = [Event(seq=1, event=EventKind.done)]
+    cancelled_idem = keys.idempotency("", f"k-{uuid.uuid4().hex}")
+    cancelled = await _submit(client, model, idem=cancelled_idem)
+    assert await scripts.cancel(client, cancelled.job_id, 60, False, closing) == "queued"
+    assert 0 < r.ttl(cancelled_idem) <= 60
+
+    deleted_idem = keys.idempotency("", f"k-{uuid.uuid4().hex}")
+    deleted = await _submit(client, model, idem=deleted_idem)
+    assert await scripts.cancel(client, deleted.job_id, 60, True, closing) == "queued"
+    assert not r.exists(deleted_idem)
+    # A deleted job is no longer named: the same key makes a new one.
+    again = await _submit(client, model, idem=deleted_idem)
+    assert again.outcome is Outcome.queued and again.job_id != deleted.job_id
+
+
+async def test_a_key_naming_a_job_deleted_while_running_makes_a_new_job(client: aioredis.Redis, r: redis.Redis):
+    model, idem = _model(), keys.idempotency("", f"k-{uuid.uuid4().hex}")
+    made = await _submit(client, model, idem=idem)
+    r.hset(keys.job(made.job_id), mapping={"status": "in_progress", "worker": "w", "deleted": "1"})
+    again = await _submit(client, model, idem=idem)
+    assert again.outcome is Outcome.queued and again.job_id != made.job_id and r.get(idem) == again.job_id
