@@ -95,8 +95,9 @@ async def test_an_existing_job_is_returned_even_when_the_queue_is_full(client: a
 async def test_the_jobs_last_write_expires_its_idempotency_key(client: aioredis.Redis, r: redis.Redis):
     model, idem = _model(), keys.idempotency("", f"k-{uuid.uuid4().hex}")
     made = await _submit(client, model, idem=idem)
+    assert scripts.claim(r, made.job_id, model, "w@idem")
     pipe = r.pipeline()
-    scripts.update_record(pipe, made.job_id, 120, {"status": "completed"}, last=True)
+    scripts.update_record(pipe, "w@idem", made.job_id, model, 120, {"status": "completed"}, last=True)
     pipe.execute()
     assert 0 < r.ttl(idem) <= 120 and 0 < r.ttl(keys.job(made.job_id)) <= 120
     # Until then, the key still names the job.
