@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,27 +121,28 @@ async def follow(client: httpx.AsyncClient, base: str, job_id: str, tally: Tally
         tally.broken_logs.append(f"{job_id}: {ids}")
 
 
-async def load(svc: Services, args: argparse.Namespace, tally: Tally) -> None:
+async def load(
+    base_url: str, jobs: int, clients: int, tally: Tally, kill: Callable[[], None] | None, job_timeout: float = 600
+) -> None:
+    """`jobs` jobs from `clients` clients; `kill` (SIGKILL a worker, start another) runs once half are submitted."""
     rng = random.Random(7)
-    counter = iter(range(args.jobs))
-    killed = asyncio.Event()
+    counter = iter(range(jobs))
 
     async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal kill
         for i in counter:
-            if i >= args.jobs // 2 and args.kill and not killed.is_set():
-                killed.set()
-                victim = next(p for p in svc.procs if p.name.startswith("worker") and p.alive())
-                victim.popen.send_signal(signal.SIGKILL)
-                svc.add_worker()
-            job_id = await submit(client, svc.base_url, KINDS[i % len(KINDS)], i, rng, tally)
+            if i >= jobs // 2 and kill is not None:
+                kill, killing = None, kill
+                killing()
+            job_id = await submit(client, base_url, KINDS[i % len(KINDS)], i, rng, tally)
             if job_id is not None:
-                await follow(client, svc.base_url, job_id, tally, args.job_timeout)
+                await follow(client, base_url, job_id, tally, job_timeout)
 
-    async with http_client(timeout=args.job_timeout) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+    async with http_client(timeout=job_timeout) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
 
 
-def chatq_keys(r: redis.Redis) -> int:
+def redis_keys(r: redis.Redis) -> int:
     return sum(1 for _ in r.scan_iter("*"))
 
 
@@ -148,13 +150,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"CHATQ_RESULT_TTL": str(args.result_ttl), "CHATQ_WORKER_TTL": str(args.worker_ttl)}
     with Services(worker_concurrency=32, workers=2, keep_logs=args.keep_logs, extra_env=env) as svc:
         r = redis.Redis.from_url(svc.settings.redis_url, decode_responses=True)
-        keys_before, memory_before = chatq_keys(r), r.info("memory")["used_memory"]
+        keys_before, memory_before = redis_keys(r), r.info("memory")["used_memory"]
         tally = Tally()
+
+        def kill() -> None:
+            victim = next(p for p in svc.procs if p.name.startswith("worker") and p.alive())
+            victim.popen.send_signal(signal.SIGKILL)
+            svc.add_worker()
+
         start = time.time()
-        asyncio.run(load(svc, args, tally))
+        asyncio.run(load(svc.base_url, args.jobs, args.clients, tally, kill if args.kill else None, args.job_timeout))
         wall = time.time() - start
         time.sleep(args.result_ttl + 2)  # every result expires
-        keys_after, memory_after = chatq_keys(r), r.info("memory")["used_memory"]
+        keys_after, memory_after = redis_keys(r), r.info("memory")["used_memory"]
         leftover = sorted(r.scan_iter("*"))
     return {
         "jobs": args.jobs,

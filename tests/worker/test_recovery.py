@@ -3,6 +3,7 @@ an API of this module's own. The job continues on another worker from its last p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from bench import soak
 from chatq.cli import api_command, worker_command
 from chatq.core import keys
 from chatq.core.settings import Settings
@@ -35,6 +37,7 @@ class Cluster:
             "CHATQ_WORKER_TTL": str(settings.worker_ttl),
             "CHATQ_STOP_GRACE": str(settings.stop_grace),
             "CHATQ_MAX_ATTEMPTS": str(settings.max_attempts),
+            "CHATQ_RESULT_TTL": str(settings.result_ttl),
             "CHATQ_SSE_KEEPALIVE": "0.5",
             "PYTHONUNBUFFERED": "1",
         }
@@ -92,7 +95,9 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     server = EmbeddedRedis(tmp_path_factory.mktemp("recovery-redis"), persist=False).start()
-    settings = Settings(redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2)
+    settings = Settings(
+        redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2, result_ttl=20
+    )
     c = Cluster(settings, tmp_path_factory.mktemp("recovery-logs"))
     try:
         c.start("api", api_command(settings))
@@ -249,3 +254,21 @@ def test_a_second_signal_hands_the_jobs_over_at_once(cluster, http):
     assert finished_by(cluster, job_id) != stopped and cluster.r.hget(keys.job(job_id), "attempts") == "1"
     assert cluster.procs[stopped].poll() is not None
     cluster.wait_live(cluster.start_worker())
+
+
+def test_a_short_soak_with_a_worker_killed_midway_loses_nothing(cluster, http):
+    # bench/soak.py at a tenth of its size: every way of using a job, from many clients at once.
+    tally = soak.Tally()
+
+    def kill() -> None:
+        cluster.signal(sorted(cluster.live_workers())[0], signal.SIGKILL)
+        cluster.start_worker()
+
+    asyncio.run(soak.load(str(http.base_url).rstrip("/"), 100, 10, tally, kill, job_timeout=180))
+    assert (tally.lost, tally.broken_logs, tally.server_errors) == ([], [], [])
+    assert tally.ended["completed"] > 50 and tally.ended["cancelled"] > 0
+    # Once the results expire, nothing of the jobs is left in Redis.
+    deadline = time.time() + cluster.settings.result_ttl + 30
+    while left := [k for k in cluster.r.scan_iter("chatq:*") if not k.startswith(keys.workers(""))]:
+        assert time.time() < deadline, left
+        time.sleep(1)
