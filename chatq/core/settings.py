@@ -63,6 +63,19 @@ class Settings(BaseSettings):
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
 
+    # Operations
+    # Flower's login, "user:password" (several: comma-separated); empty leaves its pages open to whoever reaches
+    # its port.
+    flower_auth: str = ""
+
+    @field_validator("flower_auth")
+    @classmethod
+    def _user_and_password(cls, auth: str) -> str:
+        # Flower itself would start anyway and refuse every login.
+        if auth and not all(user and password for user, _, password in (a.partition(":") for a in auth.split(","))):
+            raise ValueError('must be "user:password" (several: comma-separated)')
+        return auth
+
     @field_validator("cache_dir")
     @classmethod
     def _expand_home(cls, path: Path) -> Path:
