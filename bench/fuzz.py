@@ -28,6 +28,8 @@ import hypothesis
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 from schemathesis.core.transport import Response
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +48,7 @@ class Tally:
     server_errors: list[str] = field(default_factory=list)
     crashes: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
+    slowest: list[tuple[float, str]] = field(default_factory=list)  # the ten slowest answers, seconds first
 
     @property
     def failures(self) -> list[str]:
@@ -123,6 +126,10 @@ class Caller:
             self.tally.crashes.append(f"{label}: {type(e).__name__}: {e}: {_show(kwargs)}")
             return None
         self.tally.answered[f"{case.method} {case.path}", resp.status_code] += 1
+        took = time.monotonic() - start
+        self.tally.slowest = sorted([*self.tally.slowest, (took, f"{label} -> {resp.status_code}: {_show(kwargs)}")])[
+            -10:
+        ]
         if resp.status_code >= 500:
             text = resp.content[:300].decode(errors="replace")
             self.tally.server_errors.append(f"{label} -> {resp.status_code} {text}: {_show(kwargs)}")
@@ -153,11 +160,13 @@ def load_schema(base_url: str) -> schemathesis.BaseSchema:
 
 
 def fuzz_operations(schema: schemathesis.BaseSchema, caller: Caller, per_operation: int, fixed: bool) -> None:
-    """Each operation alone, `per_operation` generated cases each."""
+    """Each operation alone, `per_operation` generated cases each: inputs that fit the schema and inputs that
+    break it (wrong types, missing fields, bad headers and query values)."""
     for result in schema.get_all_operations():
         operation = result.ok()
+        cases = st.one_of(operation.as_strategy(), operation.as_strategy(GenerationMode.NEGATIVE))
 
-        @given(case=operation.as_strategy())
+        @given(case=cases)
         @_settings(per_operation, derandomize=fixed)
         def one(case: schemathesis.Case) -> None:
             caller.call(case)
@@ -203,6 +212,8 @@ def table(tally: Tally, seconds: float) -> str:
     counts = (len(tally.server_errors), len(tally.crashes), len(tally.hangs))
     rows.append(f"{sum(tally.cases.values()):<12} {counts[0]:>6} {counts[1]:>8} {counts[2]:>6} {seconds:>8.1f}")
     rows += [f"  {f}" for f in tally.failures[:50]]
+    rows.append("slowest answers:")
+    rows += [f"  {took:6.2f} s  {what[:300]}" for took, what in reversed(tally.slowest)]
     return "\n".join(rows)
 
 

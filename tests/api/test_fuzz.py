@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bench.fuzz import JOB_ROUTE, fuzz, load_schema
 
-PER_OPERATION, SCENARIOS, STEPS = 15, 25, 5
+PER_OPERATION, SCENARIOS, STEPS = 12, 20, 5
 
 
 def test_the_schema_links_a_created_job_to_every_route_that_takes_its_id(stack: str) -> None:
@@ -28,7 +28,7 @@ def test_no_generated_request_gets_a_5xx_a_crash_or_a_hang(stack: str) -> None:
         f"{method.upper()} {path}" for path, item in load_schema(stack).raw_schema["paths"].items() for method in item
     }
     assert set(tally.cases) == operations  # every route was reached
-    assert sum(tally.cases.values()) >= 100
+    assert sum(tally.cases.values()) >= 80
     # The links gave the job routes real ids: some calls found their job.
     for op in (f"GET {JOB_ROUTE}", f"DELETE {JOB_ROUTE}", f"POST {JOB_ROUTE}/cancel"):
         assert any(o == op and status == 200 for o, status in tally.answered), (op, sorted(tally.answered.items()))
