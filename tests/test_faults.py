@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from chatq.cli import api_command, worker_command
 from chatq.core.settings import Settings
@@ -27,7 +29,7 @@ from tests.helpers import ROOT, Frame, frames, wait_for
 
 LONG = {
     "messages": [{"role": "user", "content": "Tell me a long story."}],
-    "max_tokens": 300,
+    "max_tokens": 200,
     "ignore_eos": True,
     "temperature": 0,
 }
@@ -79,13 +81,15 @@ class Stack:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.settings.api_port}"
 
-    def restart_redis(self) -> float:
-        """SHUTDOWN (Redis writes its AOF and exits), then a new redis-server on the same port and data directory;
-        the seconds the restart took."""
+    def restart_redis(self, down_for: float = 0.0) -> float:
+        """SHUTDOWN (Redis writes its AOF and exits), `down_for` seconds with no Redis, then a new redis-server on
+        the same port and data directory; the seconds the restart took."""
         start = time.monotonic()
+        # No retries: redis-py would otherwise spend seconds reconnecting to the server it just shut down.
         with contextlib.suppress(redis.ConnectionError):
-            redis.Redis(port=self.server.port).shutdown()
+            redis.Redis(port=self.server.port, retry=Retry(NoBackoff(), 0)).shutdown()
         assert self.server.proc is not None and self.server.proc.wait(timeout=20) == 0
+        time.sleep(down_for)
         self.server = EmbeddedRedis(self.server.data_dir, port=self.server.port, persist=True).start()
         assert self.server.url == self.settings.redis_url  # the same port: every process reconnects to it
         return time.monotonic() - start
@@ -203,7 +207,7 @@ def test_a_stream_goes_on_through_a_redis_restart(tmp_path: Path) -> None:
         with http.stream("POST", "/v1/chat/completions", json=LONG | {"stream": True}) as resp:
             reading.read(resp, stop_after=20)
             job_id = reading.frames[-1].json["id"]
-            took = stack.restart_redis()
+            took = stack.restart_redis(down_for=2.0)  # an outage the clients' reconnect backoff has to ride out
             back, seen = time.monotonic(), len(reading.frames)
             reading.read(resp)
         resume(http, job_id, reading, time.monotonic() + 180)
