@@ -83,8 +83,8 @@ def flower_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]
     """Flower's environment: CHATQ_FLOWER_AUTH becomes its --basic-auth option, passed as FLOWER_BASIC_AUTH, which
     Flower reads as that option: on its command line the password would show in `ps` to every user."""
     env = dict(environ)
-    if settings.flower_auth:
-        env["FLOWER_BASIC_AUTH"] = settings.flower_auth
+    if settings.flower_auth.get_secret_value():
+        env["FLOWER_BASIC_AUTH"] = settings.flower_auth.get_secret_value()
     return env
 
 

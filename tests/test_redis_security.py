@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from pydantic import SecretStr
 
 from chatq.cli import api_command, flower_command, flower_env
 from chatq.core.settings import Settings
@@ -159,7 +160,11 @@ def test_every_process_works_through_a_secured_redis_and_shows_no_password(tmp_p
     password = "s3cr3t-" + secrets.token_hex(8)
     with secured_redis(tmp_path, password, tls) as url:
         settings = Settings(
-            redis_url=url, api_port=free_port(), flower_port=free_port(), worker_concurrency=4, flower_auth=FLOWER_AUTH
+            redis_url=url,
+            api_port=free_port(),
+            flower_port=free_port(),
+            worker_concurrency=4,
+            flower_auth=SecretStr(FLOWER_AUTH),
         )
         with running_stack(settings, tmp_path) as base:
             _chat_both_ways(base)

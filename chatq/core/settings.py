@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -65,14 +65,15 @@ class Settings(BaseSettings):
 
     # Operations
     # Flower's login, "user:password" (several: comma-separated); empty leaves its pages open to whoever reaches
-    # its port.
-    flower_auth: str = ""
+    # its port. Secret, so a printed or logged Settings never shows it.
+    flower_auth: SecretStr = SecretStr("")
 
     @field_validator("flower_auth")
     @classmethod
-    def _user_and_password(cls, auth: str) -> str:
+    def _user_and_password(cls, auth: SecretStr) -> SecretStr:
         # Flower itself would start anyway and refuse every login.
-        if auth and not all(user and password for user, _, password in (a.partition(":") for a in auth.split(","))):
+        logins = auth.get_secret_value()
+        if logins and not all(user and pw for user, _, pw in (a.partition(":") for a in logins.split(","))):
             raise ValueError('must be "user:password" (several: comma-separated)')
         return auth
 

@@ -38,7 +38,9 @@ def test_a_flower_login_that_is_not_user_colon_password_is_refused_without_showi
 
 
 def test_flower_gets_its_login_as_its_basic_auth_option():
-    assert flower_env(Settings(flower_auth="ops:pw,admin:pw2"), {"A": "1"}) == {
+    settings = Settings(flower_auth="ops:pw,admin:pw2")
+    assert "pw" not in repr(settings) and "pw" not in str(settings.model_dump())
+    assert flower_env(settings, {"A": "1"}) == {
         "A": "1",
         "FLOWER_BASIC_AUTH": "ops:pw,admin:pw2",
     }
