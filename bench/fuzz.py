@@ -50,6 +50,9 @@ class Tally:
     hangs: list[str] = field(default_factory=list)
     slowest: list[tuple[float, str]] = field(default_factory=list)  # the ten slowest answers, seconds first
 
+    def timed(self, seconds: float, what: str) -> None:
+        self.slowest = sorted([*self.slowest, (seconds, what)])[-10:]
+
     @property
     def failures(self) -> list[str]:
         return self.server_errors + self.crashes + self.hangs
@@ -126,10 +129,7 @@ class Caller:
             self.tally.crashes.append(f"{label}: {type(e).__name__}: {e}: {_show(kwargs)}")
             return None
         self.tally.answered[f"{case.method} {case.path}", resp.status_code] += 1
-        took = time.monotonic() - start
-        self.tally.slowest = sorted([*self.tally.slowest, (took, f"{label} -> {resp.status_code}: {_show(kwargs)}")])[
-            -10:
-        ]
+        self.tally.timed(time.monotonic() - start, f"{label} -> {resp.status_code}: {_show(kwargs)}")
         if resp.status_code >= 500:
             text = resp.content[:300].decode(errors="replace")
             self.tally.server_errors.append(f"{label} -> {resp.status_code} {text}: {_show(kwargs)}")

@@ -7,6 +7,8 @@ created job's id flows along OpenAPI links to its GET, cancel and DELETE.
 
 from __future__ import annotations
 
+import httpx
+
 from bench.fuzz import JOB_ROUTE, fuzz, load_schema
 
 PER_OPERATION, SCENARIOS, STEPS = 12, 20, 5
@@ -33,3 +35,4 @@ def test_no_generated_request_gets_a_5xx_a_crash_or_a_hang(stack: str) -> None:
     for op in (f"GET {JOB_ROUTE}", f"DELETE {JOB_ROUTE}", f"POST {JOB_ROUTE}/cancel"):
         assert any(o == op and status == 200 for o, status in tally.answered), (op, sorted(tally.answered.items()))
     assert not tally.failures, "\n".join(tally.failures)
+    assert httpx.get(f"{stack}/health", timeout=10).status_code == 200  # the API (and the worker) lived through it
