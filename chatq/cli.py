@@ -19,6 +19,7 @@ import httpx
 import pydantic
 
 from chatq.core import keys
+from chatq.core.redis_url import masked
 from chatq.core.settings import Settings
 
 
@@ -78,6 +79,15 @@ def flower_command(settings: Settings) -> list[str]:
     )
 
 
+def flower_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
+    """Flower's environment: CHATQ_FLOWER_AUTH becomes its --basic-auth option, passed as FLOWER_BASIC_AUTH, which
+    Flower reads as that option: on its command line the password would show in `ps` to every user."""
+    env = dict(environ)
+    if settings.flower_auth.get_secret_value():
+        env["FLOWER_BASIC_AUTH"] = settings.flower_auth.get_secret_value()
+    return env
+
+
 PREPARE = """
 import signal, sys
 from chatq.core.settings import Settings
@@ -124,12 +134,12 @@ def up(settings: Settings, with_flower: bool = True) -> int:
             redis_server.start()
             env["CHATQ_REDIS_URL"] = redis_server.url
             settings = settings.model_copy(update={"redis_url": redis_server.url})
-            print(f"chatq: embedded Redis at {redis_server.url}", flush=True)
+            print(f"chatq: embedded Redis at {masked(redis_server.url)}", flush=True)
         prepare_model(settings)
         services["worker"] = subprocess.Popen(worker_command(settings), env=env)
         services["api"] = subprocess.Popen(api_command(settings), env=env)
         if with_flower:
-            services["flower"] = subprocess.Popen(flower_command(settings), env=env)
+            services["flower"] = subprocess.Popen(flower_command(settings), env=flower_env(settings, env))
         print(
             f"chatq: starting the API on {_url(settings.api_host, settings.api_port)}"
             + (f" and Flower on {_url(settings.api_host, settings.flower_port)}" if with_flower else ""),
@@ -289,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
         except httpx.TransportError as e:
-            print(f"chatq: cannot reach the API at {_base_url(settings)} ({e})", file=sys.stderr)
+            print(f"chatq: cannot reach the API at {masked(_base_url(settings))} ({e})", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # leaving closes the stream, which cancels the job
             print(file=sys.stderr)
@@ -297,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.redis_url:
         parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")
     command = {"api": api_command, "worker": worker_command, "flower": flower_command}[args.command](settings)
-    os.execv(command[0], command)
+    os.execve(command[0], command, flower_env(settings, os.environ) if args.command == "flower" else os.environ)
     return 0
 
 

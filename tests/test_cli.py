@@ -127,8 +127,10 @@ sys.exit(cli.up(cli.Settings(redis_url="")))
 STUBBORN = "trap '' INT TERM; echo $$ >> $0/pids; exec sleep 60"
 
 
-def fake_up(tmp_path: Path, redis: str, worker: str, other: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "CHATQ_REDIS_URL"} | {"CHATQ_CACHE_DIR": str(tmp_path)}
+def fake_up(tmp_path: Path, redis: str, worker: str, other: str, **env_vars: str) -> subprocess.Popen:
+    env = (
+        {k: v for k, v in os.environ.items() if k != "CHATQ_REDIS_URL"} | {"CHATQ_CACHE_DIR": str(tmp_path)} | env_vars
+    )
     return subprocess.Popen(
         [sys.executable, "-c", FAKE_UP, str(tmp_path), redis, worker, other],
         cwd=ROOT,
@@ -177,6 +179,18 @@ def test_up_stops_and_says_so_when_its_redis_dies(tmp_path: Path) -> None:
     up = fake_up(tmp_path, "sleep 2; exit 3", "exec sleep 600", "exec sleep 600")
     assert up.wait(timeout=30) == 1
     assert up.stderr is not None and "chatq: redis exited with status 3; stopping" in up.stderr.read()
+
+
+def test_up_gives_flower_its_login_and_no_other_service(tmp_path: Path) -> None:
+    # The API and Flower run the same stand-in: each records the login it was given, Flower's only.
+    record = 'echo "login=$FLOWER_BASIC_AUTH" >> $0/logins; echo $$ >> $0/pids; exec sleep 600'
+    up = fake_up(tmp_path, "exec sleep 600", "echo $$ >> $0/pids; exec sleep 600", record, CHATQ_FLOWER_AUTH="ops:pw")
+    try:
+        _wait_for_pids(tmp_path, up, 3)
+        assert sorted((tmp_path / "logins").read_text().split()) == ["login=", "login=ops:pw"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=30)
 
 
 def test_a_misspelt_setting_is_named_not_silently_ignored() -> None:

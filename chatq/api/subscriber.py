@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
+
+from chatq.core.redis_url import ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class Subscriber:
         if "path" in o:
             reader, writer = await asyncio.open_unix_connection(o["path"])
         else:
-            tls = ssl.create_default_context() if o.get("connection_class") is aioredis.SSLConnection else None
+            # rediss://: verified as redis-py verifies the pool's connections (the URL's ssl_* parameters).
+            tls = ssl_context(o) if o.get("connection_class") is aioredis.SSLConnection else None
             reader, writer = await asyncio.open_connection(o.get("host", "localhost"), o.get("port", 6379), ssl=tls)
             sock = writer.get_extra_info("socket")
             if sock is not None:  # a peer that vanished without a reset is noticed

@@ -10,6 +10,7 @@ from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 
 from chatq.core import keys
+from chatq.core.redis_url import broker_use_ssl
 from chatq.core.settings import Settings
 
 GENERATE_TASK = "chatq.generate"
@@ -38,6 +39,8 @@ def make_celery(settings: Settings) -> Celery:
     TRANSPORT_ALIASES.update(redis=REDIS_TRANSPORT, rediss=REDIS_TRANSPORT)
     app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
+        # rediss://: kombu and Flower take TLS options only from here, not from the URL's query.
+        broker_use_ssl=broker_use_ssl(settings.redis_url),
         # Job state lives in chatq's own job record; Celery's results would only duplicate it.
         task_ignore_result=True,
         result_backend=None,

@@ -80,6 +80,20 @@ class Settings(BaseSettings):
     # Threads that render and tokenize prompts off the event loop, at most this many at once.
     render_threads: Positive = Field(default_factory=lambda: 2 * (os.cpu_count() or 1))
 
+    # Operations
+    # Flower's login, "user:password" (several: comma-separated); empty leaves its pages open to whoever reaches
+    # its port. Secret, so a printed or logged Settings never shows it.
+    flower_auth: SecretStr = SecretStr("")
+
+    @field_validator("flower_auth")
+    @classmethod
+    def _user_and_password(cls, auth: SecretStr) -> SecretStr:
+        # Flower itself would start anyway and refuse every login.
+        logins = auth.get_secret_value()
+        if logins and not all(user and pw for user, _, pw in (a.partition(":") for a in logins.split(","))):
+            raise ValueError('must be "user:password" (several: comma-separated)')
+        return auth
+
     @field_validator("cache_dir")
     @classmethod
     def _expand_home(cls, path: Path) -> Path:

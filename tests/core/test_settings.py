@@ -1,4 +1,5 @@
-"""The one settings object: values out of range stop a process at start, and paths take `~`."""
+"""The one settings object: values out of range stop a process at start, paths take `~`, and Flower's login is
+checked and handed on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from chatq.cli import main
+from chatq.cli import flower_env, main
 from chatq.core.settings import Settings
 
 
@@ -39,3 +40,21 @@ def test_api_keys_are_split_on_commas_and_hidden():
     settings = Settings(api_keys=" a , b,,")
     assert settings.api_key_list == ["a", "b"] and "a , b" not in repr(settings)
     assert Settings(api_keys="").api_key_list == []
+
+
+@pytest.mark.parametrize("auth", ["ops", "ops:", ":secret-pw", "ops:pw,admin"])
+def test_a_flower_login_that_is_not_user_colon_password_is_refused_without_showing_it(auth, monkeypatch, capsys):
+    monkeypatch.setenv("CHATQ_FLOWER_AUTH", auth)
+    assert main(["job", "get", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "CHATQ_FLOWER_AUTH" in err and auth not in err.split("CHATQ_FLOWER_AUTH", 1)[1]
+
+
+def test_flower_gets_its_login_as_its_basic_auth_option():
+    settings = Settings(flower_auth="ops:pw,admin:pw2")
+    assert "pw" not in repr(settings) and "pw" not in str(settings.model_dump())
+    assert flower_env(settings, {"A": "1"}) == {
+        "A": "1",
+        "FLOWER_BASIC_AUTH": "ops:pw,admin:pw2",
+    }
+    assert "FLOWER_BASIC_AUTH" not in flower_env(Settings(), {})
