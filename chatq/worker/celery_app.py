@@ -162,7 +162,8 @@ def generate(self, job_id: str) -> str:
     try:
         job = Job.from_redis(record)
     except (ValueError, KeyError) as e:  # written by another version of chatq, say: the job ends, not hangs
-        log.exception("job %s has a record this worker cannot read", job_id)
+        # Its type only: the error's text quotes the record, and so the request.
+        log.error("job %s has a record this worker cannot read (%s)", job_id, type(e).__name__)
         _fail_unreadable(
             _state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
         )
