@@ -18,7 +18,7 @@ from chatq.core import keys, scripts
 from chatq.core.chunks import never_ran
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
-from chatq.core.queue import celery_priority, task_message
+from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Outcome
 from chatq.core.settings import Settings
@@ -63,11 +63,11 @@ class JobStore:
         job = Job(
             id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
         )
-        lane = celery_priority(request.priority, request.background)
+        lane, now = celery_priority(request.priority, request.background), time.time()
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
-        score = lane * 1e11 + time.time()
-        fields = self._record(job, owner)
+        score = lane * 1e11 + now
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
+        fields = self._record(job, owner) | task_fields(queue, message, now)
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         done = await scripts.submit(
             self.redis, job.id, model, fields, queue, message, score, self.settings.max_queued, idem

@@ -99,3 +99,16 @@ def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, 
         },
     }
     return keys.celery_lane(queue, lane), orjson.dumps(envelope).decode()
+
+
+def task_fields(queue: str, message: str, now: float) -> dict[str, str]:
+    """What a queued job's record says of its task message, so a message lost on its way to a worker (one popped by
+    a worker that died before taking it) is found missing and sent again (chatq.core.scripts.redeliver)."""
+    properties = orjson.loads(message)["properties"]
+    return {
+        "task_queue": queue,
+        "task": message,
+        "tag": properties["delivery_tag"],
+        "lane": str(properties["priority"]),
+        "queued_at": repr(now),
+    }

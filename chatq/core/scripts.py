@@ -21,6 +21,7 @@ from redis.client import Pipeline
 
 from chatq.core import keys
 from chatq.core.job import Event
+from chatq.core.queue import task_fields
 
 # KEYS: job, waiting zset, Celery queue list, idempotency key. ARGV: job id, score, task message, the cap on waiting
 # jobs (0: none), keys.job(""), "1" when the request has an idempotency key, then the record's field/value pairs.
@@ -126,7 +127,8 @@ def claim(
 # KEYS: job, events, live, the model's live-worker registry, running set, waiting zset, kombu's unacked hash and
 # index. ARGV: job id, the holder it
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
-# result ttl, then the error event's data and the record's error, should the job have run out of attempts.
+# result ttl, the error event's data and the record's error (should the job have run out of attempts), then the
+# queued job's task fields.
 _RECLAIM = """
 local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery')
 if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
@@ -162,11 +164,11 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
   return 'failed'
 end
-redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 12))
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('PERSIST', KEYS[2])
 redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
-redis.call('LPUSH', ARGV[7], ARGV[8])
+redis.call('RPUSH', ARGV[7], ARGV[8])  -- the end workers pop from: it has waited once already
 return 'queued'
 """
 
@@ -192,7 +194,38 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     job_keys += [keys.running(model), keys.waiting(model), keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
-    return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors)  # type: ignore[return-value]
+    task = _flat(task_fields(how.queue, how.message, time.time()))
+    return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors, *task)  # type: ignore[return-value]
+
+
+# KEYS: job, its task's queue list, kombu's unacked hash and index. ARGV: the task's delivery tag as read, now, the
+# age past which a task is missing, a new task message and its tag.
+_REDELIVER = """
+local h = redis.call('HMGET', KEYS[1], 'status', 'tag', 'queued_at', 'task')
+if h[1] ~= 'queued' or h[2] ~= ARGV[1] or not h[4] then return 0 end
+local now, age = tonumber(ARGV[2]), tonumber(ARGV[3])
+if now - tonumber(h[3]) < age then return 0 end
+if redis.call('LPOS', KEYS[2], h[4], 'RANK', -1) then return 0 end
+local delivered = redis.call('ZSCORE', KEYS[4], h[2])
+if delivered and now - tonumber(delivered) < age then return 0 end
+redis.call('HDEL', KEYS[3], h[2])
+redis.call('ZREM', KEYS[4], h[2])
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], 'task', ARGV[4], 'tag', ARGV[5], 'queued_at', ARGV[2])
+return 1
+"""
+
+
+def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, message: str, age: float) -> bool:
+    """Sends a queued job's task again if its message went missing: not in its queue, and not delivered to a worker
+    in the last `age` seconds (a live worker claims what it is given at once). Whether it was sent again.
+
+    kombu pops a task and then records it as delivered: a worker that dies in between (or a connection Redis still
+    served a blocked pop on) takes the message with it, and the job would wait for ever."""
+    job_keys = (keys.job(job_id), queue, keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX)
+    new_tag = orjson.loads(message)["properties"]["delivery_tag"]
+    args = (tag, time.time(), age, message, new_tag)
+    return bool(client.eval(_REDELIVER, len(job_keys), *job_keys, *args))
 
 
 # KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued

@@ -1,5 +1,5 @@
-"""Running jobs whose worker is gone, queued again: the sweep every live worker makes, and a stopping worker's
-hand-back. The worker that takes such a job continues it where its log stops (JobRun.resume)."""
+"""Jobs that lost their worker or their task message, queued again: the sweep every live worker makes, and a stopping
+worker's hand-back. The worker that takes such a job continues it where its log stops (JobRun.resume)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,21 @@ from chatq.core.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def _requeue(app: Celery, job_id: str, lane: int, settings: Settings) -> scripts.Requeue:
+def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Settings) -> scripts.Requeue:
     queue, message = task_message(app, job_id, keys.celery_queue(settings.model_name), lane)
-    # Ahead of the jobs that arrived after it in its lane: it has waited once already.
-    score = lane * 1e11 + time.time()
+    # Where it arrived in its lane, as its task goes to the end workers take from next: it has waited once already.
+    score = lane * 1e11 + created
     error = WorkerLost(settings.max_attempts).body()
     return scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
 
 
 def sweep(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
-    """Reclaims the model's running jobs whose holder is out of the live-worker registry; what became of each."""
+    """Reclaims the model's running jobs whose holder is out of the live-worker registry, and sends again the task of
+    queued jobs whose message went missing; what became of each."""
+    return _sweep_running(client, app, settings) | _sweep_queued(client, app, settings)
+
+
+def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
     model = settings.model_name
     running: list[str] = sorted(client.smembers(keys.running(model)))  # type: ignore[arg-type]  # a decoding client
     if not running:
@@ -35,20 +40,40 @@ def sweep(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str
     live = set(client.zrangebyscore(keys.workers(model), time.time() - settings.worker_ttl, "+inf"))  # type: ignore[arg-type]
     pipe = client.pipeline(transaction=False)
     for job_id in running:
-        pipe.hmget(keys.job(job_id), "status", "worker", "lane")
+        pipe.hmget(keys.job(job_id), "status", "worker", "lane", "created")
     outcomes: dict[str, str] = {}
-    for job_id, (status, holder, lane) in zip(running, pipe.execute(), strict=True):
+    for job_id, (status, holder, lane, created) in zip(running, pipe.execute(), strict=True):
         if status != "in_progress":
             if status != "queued":  # gone, or ended without its last write reaching the set
                 client.srem(keys.running(model), job_id)
             continue
         if holder in live:
             continue
-        how = _requeue(app, job_id, int(lane or 0), settings)
+        how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
         outcome = scripts.reclaim(client, job_id, model, holder, settings.worker_ttl, how)
         if outcome is not None:
             log.warning("job %s of worker %s, which stopped: %s", job_id, holder, outcome)
             outcomes[job_id] = outcome
+    return outcomes
+
+
+def _sweep_queued(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
+    """A queued job waiting longer than the worker TTL is checked for its task message (see scripts.redeliver)."""
+    queued: list[str] = client.zrange(keys.waiting(settings.model_name), 0, -1)  # type: ignore[assignment]
+    if not queued:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for job_id in queued:
+        pipe.hmget(keys.job(job_id), "queued_at", "tag", "task_queue", "lane")
+    outcomes: dict[str, str] = {}
+    old = time.time() - settings.worker_ttl
+    for job_id, (queued_at, tag, queue, lane) in zip(queued, pipe.execute(), strict=True):
+        if queued_at is None or float(queued_at) > old or tag is None:
+            continue
+        _, message = task_message(app, job_id, keys.celery_queue(settings.model_name), int(lane or 0))
+        if scripts.redeliver(client, job_id, queue, tag, message, settings.worker_ttl):
+            log.warning("job %s had lost its task message on the way to a worker: sent again", job_id)
+            outcomes[job_id] = "sent again"
     return outcomes
 
 
@@ -57,8 +82,8 @@ def hand_back(client: redis.Redis, app: Celery, settings: Settings, worker: str,
     model = settings.model_name
     handed = []
     for job_id in job_ids:
-        lane = client.hget(keys.job(job_id), "lane")
-        how = _requeue(app, job_id, int(lane or 0), settings)  # type: ignore[arg-type]
+        lane, created = client.hmget(keys.job(job_id), "lane", "created")  # type: ignore[misc]
+        how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
         if scripts.reclaim(client, job_id, model, worker, 0, how) == "queued":
             handed.append(job_id)
     return handed

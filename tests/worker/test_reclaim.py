@@ -12,7 +12,7 @@ import redis
 from chatq.api.jobs import JobStore
 from chatq.core import keys, scripts
 from chatq.core.job import Event, EventKind, Job, JobStatus
-from chatq.core.queue import make_celery
+from chatq.core.queue import make_celery, task_fields, task_message
 from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.publish import Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
@@ -138,3 +138,48 @@ def test_a_cancel_asked_of_a_stopped_worker_reaches_the_one_that_continues(r, mo
     assert sweep(r, make_celery(settings), settings) == {job_id: "queued"}
     assert scripts.claim(r, job_id, settings.model_name, "w@a#2", LANE)
     assert Publisher(r, settings, "w@a#2").flush(StepWrites()).cancelled == {job_id}
+
+
+def queued_job(r: redis.Redis, settings, job_id: str, age: float) -> tuple[str, str]:
+    """A job queued `age` seconds ago, as the API's submit leaves it; its task's queue list and message."""
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    job = Job(id=job_id, model=settings.model_name, request=request, prompt_ids=[1, 2])
+    queue, message = task_message(make_celery(settings), job_id, keys.celery_queue(settings.model_name), LANE)
+    r.hset(keys.job(job_id), mapping=job.to_redis() | task_fields(queue, message, time.time() - age))
+    r.zadd(keys.waiting(settings.model_name), {job_id: LANE * 1e11})
+    r.lpush(queue, message)
+    return queue, message
+
+
+def test_a_queued_job_whose_task_message_was_lost_gets_it_again_once(r, model_settings):
+    settings, app = model_settings, make_celery(model_settings)
+    lost, fresh, waiting = "chatcmpl-redeliver-lost", "chatcmpl-redeliver-fresh", "chatcmpl-redeliver-waiting"
+    for job_id, age in ((lost, 60), (fresh, 0), (waiting, 60)):
+        queue, message = queued_job(r, settings, job_id, age)
+        if job_id != waiting:
+            r.lrem(queue, 1, message)  # popped by a worker that died before it recorded the delivery
+    outcomes: list[dict[str, str]] = []
+    sweepers = [threading.Thread(target=lambda: outcomes.append(sweep(r, app, settings))) for _ in range(3)]
+    for t in sweepers:
+        t.start()
+    for t in sweepers:
+        t.join()
+    # The fresh one may still be on its way to a worker; the waiting one is in its queue.
+    assert sorted(map(len, outcomes)) == [0, 0, 1] and {lost: "sent again"} in outcomes
+    assert queued_tasks(r, settings) == 2
+    assert scripts.claim(r, lost, settings.model_name, "w@a#1", LANE)
+
+
+def test_a_task_delivered_to_a_worker_that_never_claimed_it_is_sent_again(r, model_settings):
+    settings, app = model_settings, make_celery(model_settings)
+    job_id = "chatcmpl-redeliver-unacked"
+    queue, message = queued_job(r, settings, job_id, 60)
+    tag = r.hget(keys.job(job_id), "tag")
+    r.lrem(queue, 1, message)
+    # As kombu records a delivery: the worker it went to died before claiming the job.
+    r.hset(keys.KOMBU_UNACKED, tag, json.dumps([json.loads(message), "", queue]))
+    r.zadd(keys.KOMBU_UNACKED_INDEX, {tag: time.time() - 1})
+    assert sweep(r, app, settings) == {}  # delivered a moment ago: a live worker is claiming it
+    r.zadd(keys.KOMBU_UNACKED_INDEX, {tag: time.time() - 60})
+    assert sweep(r, app, settings) == {job_id: "sent again"}
+    assert not r.hexists(keys.KOMBU_UNACKED, tag) and queued_tasks(r, settings) == 1

@@ -96,7 +96,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     server = EmbeddedRedis(tmp_path_factory.mktemp("recovery-redis"), persist=False).start()
     settings = Settings(
-        redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2, result_ttl=20
+        redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2, result_ttl=10
     )
     c = Cluster(settings, tmp_path_factory.mktemp("recovery-logs"))
     try:
@@ -257,16 +257,16 @@ def test_a_second_signal_hands_the_jobs_over_at_once(cluster, http):
 
 
 def test_a_short_soak_with_a_worker_killed_midway_loses_nothing(cluster, http):
-    # bench/soak.py at a tenth of its size: every way of using a job, from many clients at once.
+    # bench/soak.py at a twentieth of its size: every way of using a job, from many clients at once.
     tally = soak.Tally()
 
     def kill() -> None:
         cluster.signal(sorted(cluster.live_workers())[0], signal.SIGKILL)
         cluster.start_worker()
 
-    asyncio.run(soak.load(str(http.base_url).rstrip("/"), 100, 10, tally, kill, job_timeout=180))
+    asyncio.run(soak.load(str(http.base_url).rstrip("/"), 50, 10, tally, kill, job_timeout=180))
     assert (tally.lost, tally.broken_logs, tally.server_errors) == ([], [], [])
-    assert tally.ended["completed"] > 50 and tally.ended["cancelled"] > 0
+    assert tally.ended["completed"] > 25 and tally.ended["cancelled"] > 0
     # Once the results expire, nothing of the jobs is left in Redis.
     deadline = time.time() + cluster.settings.result_ttl + 30
     while left := [k for k in cluster.r.scan_iter("chatq:*") if not k.startswith(keys.workers(""))]:
