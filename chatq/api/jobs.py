@@ -111,7 +111,7 @@ class JobStore:
         # events of an earlier attempt, when a worker stopped while running it.
         chunks, logged = [], 0
         if h.get("status") == JobStatus.queued:
-            logged = await self._last_logged(job_id) if h.get("attempts", "0") != "0" else 0
+            logged = await self._last_logged(job_id)
             with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
                 chunks = never_ran(Job.from_redis(h), opened=logged > 0)[0]
         events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, logged + 1)]

@@ -168,7 +168,8 @@ def generate(self, job_id: str) -> str:
             _state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
         )
         return JobStatus.failed.value
-    earlier = _read_log(_state.redis, job_id) if job.attempts > 1 else None
+    # A log means an earlier attempt (a worker that died or handed the job back): this one goes on from it.
+    earlier = _read_log(_state.redis, job_id) or None
     run = _state.runner.submit(job, earlier)
     run.done.wait()
     return run.status.value if run.status else "handed over"
