@@ -183,6 +183,9 @@ class Requeue:
     max_attempts: int
     result_ttl: int
     error: Mapping[str, Any]  # OpenAI's error body
+    # When the task counts as sent, for the sweep that sends a lost one again (scripts.redeliver); a stopping
+    # worker's hand-back dates it a worker TTL back, as the stopping worker's own pending read may take it.
+    queued_at: float = 0.0
 
 
 def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_ttl: float, how: Requeue) -> str | None:
@@ -194,7 +197,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     job_keys += [keys.running(model), keys.waiting(model), keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
-    task = _flat(task_fields(how.queue, how.message, time.time()))
+    task = _flat(task_fields(how.queue, how.message, how.queued_at or time.time()))
     return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors, *task)  # type: ignore[return-value]
 
 

@@ -84,6 +84,7 @@ def hand_back(client: redis.Redis, app: Celery, settings: Settings, worker: str,
     for job_id in job_ids:
         lane, created = client.hmget(keys.job(job_id), "lane", "created")  # type: ignore[misc]
         how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
+        how.queued_at = time.time() - settings.worker_ttl
         if scripts.reclaim(client, job_id, model, worker, 0, how) == "queued":
             handed.append(job_id)
     return handed
