@@ -96,7 +96,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     server = EmbeddedRedis(tmp_path_factory.mktemp("recovery-redis"), persist=False).start()
     settings = Settings(
-        redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2, result_ttl=10
+        redis_url=server.url, api_port=free_port(), worker_ttl=3, stop_grace=2, max_attempts=2, result_ttl=15
     )
     c = Cluster(settings, tmp_path_factory.mktemp("recovery-logs"))
     try:
