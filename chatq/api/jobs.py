@@ -120,9 +120,14 @@ class JobStore:
             raise JobNotFound(job_id)
 
     async def _last_logged(self, job_id: str) -> int:
-        last: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
-            keys.events(job_id), count=1
-        )
+        """The number of the job's last logged event; 0 for none, or for a log that holds another type of value (the
+        cancel still goes through)."""
+        try:
+            last: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
+                keys.events(job_id), count=1
+            )
+        except aioredis.ResponseError:
+            return 0
         return int(last[0][0].split("-")[1]) if last else 0
 
     def cancel_soon(self, job_id: str) -> None:

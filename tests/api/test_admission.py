@@ -176,7 +176,9 @@ def test_an_invalid_idempotency_key_is_a_400(http: httpx.Client, r: redis.Redis,
     before = snapshot(r, model_name)
     resp = _background(http, 2, {"Idempotency-Key": key.encode("latin-1")})
     assert_error(resp, 400, "BadRequestError", "Idempotency-Key")
-    assert snapshot(r, model_name) == before
+    # No job, task or place in the queue was added (the test before's jobs may still be leaving the queue).
+    jobs, queued, waiting = snapshot(r, model_name)
+    assert jobs == before[0] and queued <= before[1] and waiting <= before[2]
 
 
 def _busy(guarded: Guarded, http: httpx.Client) -> list[str]:
