@@ -202,7 +202,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
 
 
 # KEYS: job, its task's queue list, kombu's unacked hash and index. ARGV: the task's delivery tag as read, now, the
-# age past which a task is missing, a new task message and its tag.
+# age past which a task is missing.
 _REDELIVER = """
 local h = redis.call('HMGET', KEYS[1], 'status', 'tag', 'queued_at', 'task')
 if h[1] ~= 'queued' or h[2] ~= ARGV[1] or not h[4] then return 0 end
@@ -213,22 +213,21 @@ local delivered = redis.call('ZSCORE', KEYS[4], h[2])
 if delivered and now - tonumber(delivered) < age then return 0 end
 redis.call('HDEL', KEYS[3], h[2])
 redis.call('ZREM', KEYS[4], h[2])
-redis.call('RPUSH', KEYS[2], ARGV[4])
-redis.call('HSET', KEYS[1], 'task', ARGV[4], 'tag', ARGV[5], 'queued_at', ARGV[2])
+redis.call('RPUSH', KEYS[2], h[4])
+redis.call('HSET', KEYS[1], 'queued_at', ARGV[2])
 return 1
 """
 
 
-def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, message: str, age: float) -> bool:
-    """Sends a queued job's task again if its message went missing: not in its queue, and not delivered to a worker
-    in the last `age` seconds (a live worker claims what it is given at once). Whether it was sent again.
+def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, age: float) -> bool:
+    """Sends a queued job's task message (the one its record keeps) again if it went missing: not in its queue, and
+    not delivered to a worker in the last `age` seconds (a live worker claims what it is given at once); its stale
+    delivery, if any, is dropped first, so the tag is its own again. Whether it was sent again.
 
     kombu pops a task and then records it as delivered: a worker that dies in between (or a connection Redis still
     served a blocked pop on) takes the message with it, and the job would wait for ever."""
     job_keys = (keys.job(job_id), queue, keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX)
-    new_tag = orjson.loads(message)["properties"]["delivery_tag"]
-    args = (tag, time.time(), age, message, new_tag)
-    return bool(client.eval(_REDELIVER, len(job_keys), *job_keys, *args))
+    return bool(client.eval(_REDELIVER, len(job_keys), *job_keys, tag, time.time(), age))
 
 
 # KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued

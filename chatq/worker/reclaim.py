@@ -29,7 +29,7 @@ def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Sett
 def sweep(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
     """Reclaims the model's running jobs whose holder is out of the live-worker registry, and sends again the task of
     queued jobs whose message went missing; what became of each."""
-    return _sweep_running(client, app, settings) | _sweep_queued(client, app, settings)
+    return _sweep_running(client, app, settings) | _sweep_queued(client, settings)
 
 
 def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
@@ -57,21 +57,20 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
     return outcomes
 
 
-def _sweep_queued(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
+def _sweep_queued(client: redis.Redis, settings: Settings) -> dict[str, str]:
     """A queued job waiting longer than the worker TTL is checked for its task message (see scripts.redeliver)."""
     queued: list[str] = client.zrange(keys.waiting(settings.model_name), 0, -1)  # type: ignore[assignment]
     if not queued:
         return {}
     pipe = client.pipeline(transaction=False)
     for job_id in queued:
-        pipe.hmget(keys.job(job_id), "queued_at", "tag", "task_queue", "lane")
+        pipe.hmget(keys.job(job_id), "queued_at", "tag", "task_queue")
     outcomes: dict[str, str] = {}
     old = time.time() - settings.worker_ttl
-    for job_id, (queued_at, tag, queue, lane) in zip(queued, pipe.execute(), strict=True):
+    for job_id, (queued_at, tag, queue) in zip(queued, pipe.execute(), strict=True):
         if queued_at is None or float(queued_at) > old or tag is None:
             continue
-        _, message = task_message(app, job_id, keys.celery_queue(settings.model_name), int(lane or 0))
-        if scripts.redeliver(client, job_id, queue, tag, message, settings.worker_ttl):
+        if scripts.redeliver(client, job_id, queue, tag, settings.worker_ttl):
             log.warning("job %s had lost its task message on the way to a worker: sent again", job_id)
             outcomes[job_id] = "sent again"
     return outcomes
