@@ -6,6 +6,8 @@ Layout (documented in docs/redis.md):
   chatq:job:{id}:live       pubsub the same events as they happen
   chatq:cancels:{worker}    set    ids of that worker's running jobs that a client cancelled; read at every step
   chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
+  chatq:models              set    names of the models a worker registered (live or not)
+  chatq:model:{model}       hash   what the API needs to serve that model: its card, tokenizer and chat templates
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
   chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
   chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
@@ -38,6 +40,14 @@ def cancels(worker: str) -> str:
 
 def waiting(model: str) -> str:
     return f"{PREFIX}:queue:{model}"
+
+
+def models() -> str:
+    return f"{PREFIX}:models"
+
+
+def model(name: str) -> str:
+    return f"{PREFIX}:model:{name}"
 
 
 def workers(model: str) -> str:
