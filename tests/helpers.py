@@ -44,6 +44,39 @@ def _default_model() -> ModelInfo:
     return ModelInfo.read(Settings().model_name, Settings().model_dir)
 
 
+TINY_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+
+
+def build_tiny_model(target: Path) -> Path:
+    """A second model, built here: a two-layer Llama with random weights, the default model's tokenizer, a context of
+    2048 and a chat template of its own (TINY_TEMPLATE)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = Settings().model_dir
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    (target / "chat_template.jinja").write_text(TINY_TEMPLATE)
+    return target
+
+
 def alive(pid: int | str) -> bool:
     """Whether the process runs: one killed but not yet reaped by whoever inherited it is a zombie, not alive."""
     try:
@@ -101,6 +134,78 @@ def running_stack(settings: Settings, logs: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 p.kill()
             out.close()
+
+
+class Cluster:
+    """An API and named worker processes on one Redis, started and stopped as a test needs."""
+
+    def __init__(self, settings: Settings, logs: Path):
+        self.settings, self.logs = settings, logs
+        self.env = dict(os.environ) | {
+            "CHATQ_REDIS_URL": settings.redis_url,
+            "CHATQ_API_PORT": str(settings.api_port),
+            "CHATQ_WORKER_CONCURRENCY": "8",
+            "CHATQ_WORKER_TTL": str(settings.worker_ttl),
+            "CHATQ_STOP_GRACE": str(settings.stop_grace),
+            "CHATQ_MAX_ATTEMPTS": str(settings.max_attempts),
+            "CHATQ_RESULT_TTL": str(settings.result_ttl),
+            "CHATQ_SSE_KEEPALIVE": "0.5",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.models: dict[str, str] = {}  # worker name -> the model it serves
+        self._started = 0
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (the process holds it)
+        proc = subprocess.Popen(command, env=self.env | (env or {}), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, model_name: str = "", **env: str) -> str:
+        """A worker named w1, w2, ...; `model_name` and `env` (CHATQ_ variables) choose another model."""
+        self._started += 1
+        name = f"w{self._started}"
+        settings = self.settings.model_copy(update={"model_name": model_name}) if model_name else self.settings
+        command = worker_command(settings)
+        command[command.index("-n") + 1] = f"{name}@test"
+        extra = {"CHATQ_MODEL_NAME": settings.model_name} | env
+        self.start(name, command, extra)
+        self.models[name] = settings.model_name
+        return name
+
+    def live_workers(self, model: str = "") -> set[str]:
+        registry = self.r.zrangebyscore(keys.workers(model or self.settings.model_name), time.time() - 3, "+inf")
+        return {entry.split("@")[0] for entry in registry}
+
+    def wait_live(self, *names: str, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while not all(n in self.live_workers(self.models[n]) for n in names):
+            dead = [n for n in names if self.procs[n].poll() is not None]
+            assert not dead and time.time() < deadline, f"workers {names} did not register: {self.tail(*names)}"
+            time.sleep(0.2)
+
+    def holder(self, job_id: str, timeout: float = 120) -> str:
+        """The worker running the job, once one claimed it."""
+        deadline = time.time() + timeout
+        while not (worker := self.r.hget(keys.job(job_id), "worker")):
+            assert time.time() < deadline, f"no worker took {job_id}"
+            time.sleep(0.05)
+        return worker.split("@")[0]
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def tail(self, *names: str) -> str:
+        return "\n".join((self.logs / f"{n}.log").read_text(errors="replace")[-2000:] for n in names)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
 
 
 @dataclass

@@ -1,64 +1,40 @@
-"""What the API checks against the served model before a request becomes a job: its name, the prompt's length
-against the context, token ids against the vocabulary. A request refused here creates nothing."""
+"""What the API checks against a served model before a request becomes a job: the prompt's length against the
+context, token ids against the vocabulary. A request refused here creates nothing."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from functools import cached_property
-from typing import TypeVar
+from dataclasses import dataclass, field
 
-import anyio
-
-from chatq.core.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from chatq.core.settings import Settings
-
-T = TypeVar("T")
 
 
+@dataclass(frozen=True)
 class ServedModel:
-    """The model this API serves, read lazily: the API may start before a worker has converted its files."""
+    """One model the API serves, built from its registry entry: its card, and the checks and rendering a request for
+    it gets before it becomes a job."""
 
-    def __init__(self, settings: Settings):
-        self.name = settings.model_name
-        self.settings = settings
-        self.created = int(time.time())
-        # Rendering and tokenizing run in threads, so a long prompt costs its own request time, not the event
-        # loop's; bounded, so many at once queue here rather than take every core.
-        self.limiter = anyio.CapacityLimiter(settings.render_threads)
+    info: ModelInfo
+    created: int
+    digest: str  # of the entry it was built from: a changed entry is loaded again
+    renderer: Renderer = field(repr=False, compare=False)
 
-    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
-        """fn(*args) in one of the render threads."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    @classmethod
+    def build(cls, info: ModelInfo, created: int, digest: str) -> ServedModel:
+        return cls(info, created, digest, Renderer(info))
 
-    @cached_property
-    def info(self) -> ModelInfo:
-        path = self.settings.model_dir
-        if not (path / "tokenizer.json").exists():
-            raise ServiceUnavailable(f"The files of model `{self.name}` are not available yet.")
-        return ModelInfo.read(self.name, path, self.settings.max_model_len)
-
-    @cached_property
-    def renderer(self) -> Renderer:
-        return Renderer(self.info)
-
-    def resolve(self, name: str | None) -> str:
-        """The model a request names (none: this one)."""
-        if name and name != self.name:
-            raise ModelNotFound(name)
-        return self.name
+    @property
+    def name(self) -> str:
+        return self.info.name
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         body.check()
-        self.resolve(body.model)
         return self.admit(body, self.renderer.render(body).ids)
 
     def text_prompt(self, body: CompletionRequest) -> list[int]:
         body.check()
-        self.resolve(body.model)
         return self.admit(body, self.renderer.encode(body.prompt, body.add_special_tokens))
 
     def admit(self, body: GenerationRequest, prompt_ids: list[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""The HTTP API's application: one Redis pool, the job store, the relay and the served model, behind the routes."""
+"""The HTTP API's application: one Redis pool, the job store, the relay and the served models, behind the routes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from chatq.api import errors
-from chatq.api.admission import ServedModel
 from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
+from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.routes import Service, open_router, router
 from chatq.core import collector
@@ -39,7 +39,7 @@ def redis_client(settings: Settings) -> aioredis.Redis:
 def create_app(settings: Settings) -> FastAPI:
     client = redis_client(settings)
     store = JobStore(client, make_celery(settings), settings)
-    service = Service(settings, client, store, Relay(client, settings.redis_url), ServedModel(settings))
+    service = Service(settings, client, store, Relay(client, settings.redis_url), Models(client, settings))
     api_keys = Keys(settings)
 
     @asynccontextmanager

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import importlib.metadata
 import re
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -23,10 +22,11 @@ from chatq.api.admission import ServedModel
 from chatq.api.auth import Owner, authenticate
 from chatq.api.errors import BodyTooLarge
 from chatq.api.jobs import JobStore
+from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
-from chatq.core import keys
-from chatq.core.errors import BadRequest, ClientDisconnected, RequestTooLarge, ServiceUnavailable
+from chatq.core import registry
+from chatq.core.errors import BadRequest, ClientDisconnected, RedisUnreachable, RequestTooLarge, ServiceUnavailable
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from chatq.core.settings import Settings
@@ -43,7 +43,7 @@ class Service:
     redis: aioredis.Redis
     store: JobStore
     relay: Relay
-    model: ServedModel
+    models: Models
 
 
 def _service(request: Request) -> Service:
@@ -139,14 +139,16 @@ SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
-    prompt_ids = await svc.model.off_loop(svc.model.chat_prompt, body)
-    return await _respond(svc, body, "chat", prompt_ids, request, sub)
+    model = await svc.models.get(body.model, need_worker=not body.background)
+    prompt_ids = await svc.models.off_loop(model.chat_prompt, body)
+    return await _respond(svc, body, "chat", model.name, prompt_ids, request, sub)
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
-    prompt_ids = await svc.model.off_loop(svc.model.text_prompt, body)
-    return await _respond(svc, body, "text", prompt_ids, request, sub)
+    model = await svc.models.get(body.model, need_worker=not body.background)
+    prompt_ids = await svc.models.off_loop(model.text_prompt, body)
+    return await _respond(svc, body, "text", model.name, prompt_ids, request, sub)
 
 
 @router.get("/v1/chat/completions/{job_id}")
@@ -192,11 +194,10 @@ async def delete_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, svc: Svc) -> Any:
-    return await svc.model.off_loop(_tokenize, svc.model, body)
+    return await svc.models.off_loop(_tokenize, await svc.models.get(body.model), body)
 
 
 def _tokenize(model: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
-    model.resolve(body.model)
     if body.messages is not None:
         ids = model.renderer.render(_as_chat(body)).ids
     elif body.prompt is not None:
@@ -209,11 +210,10 @@ def _tokenize(model: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, svc: Svc) -> Any:
-    return await svc.model.off_loop(_detokenize, svc.model, body)
+    return await svc.models.off_loop(_detokenize, await svc.models.get(body.model), body)
 
 
 def _detokenize(model: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
-    model.resolve(body.model)
     vocab = model.info.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequest(f"token ids must be in 0..{vocab - 1}", "tokens")
@@ -227,34 +227,45 @@ async def version() -> Any:
 
 @router.get("/v1/models")
 async def list_models(svc: Svc) -> Any:
-    model = svc.model
-    card = {
-        "id": model.name,
+    """The models with a live worker, as vLLM lists its served model."""
+    return {"object": "list", "data": [_card(model) for model, _ in await svc.models.live()]}
+
+
+@router.get("/v1/models/{model}")
+async def retrieve_model(model: str, svc: Svc) -> Any:
+    return _card(await svc.models.get(model))
+
+
+def _card(model: ServedModel) -> dict[str, Any]:
+    info = model.info
+    return {
+        "id": info.name,
         "object": "model",
         "created": model.created,
-        "owned_by": "chatq",
-        "max_model_len": model.info.max_model_len,
+        "owned_by": registry.OWNED_BY,
+        "root": info.name,
+        "max_model_len": info.max_model_len,
     }
-    return {"object": "list", "data": [card]}
 
 
 @open_router.get("/health")
 async def health(svc: Svc) -> Any:
-    name = svc.model.name
+    """Healthy while Redis answers and some model has a live worker; says which ones do."""
     try:
         await svc.redis.ping()
-        live = await svc.redis.zcount(keys.workers(name), time.time() - svc.settings.worker_ttl, "+inf")
-    except aioredis.RedisError:
+        live = await svc.models.live()
+    except (aioredis.RedisError, RedisUnreachable):
         raise ServiceUnavailable("Redis is unreachable") from None
     if not live:
-        raise ServiceUnavailable(f"no live worker for model `{name}`")
-    return {"status": "ok", "model": name, "workers": live}
+        raise ServiceUnavailable("no live worker for any model")
+    return {"status": "ok", "models": {model.name: workers for model, workers in live}}
 
 
 async def _respond(
     svc: Service,
     body: ChatCompletionRequest | CompletionRequest,
     kind: Literal["chat", "text"],
+    model: str,
     prompt_ids: list[int],
     request: Request,
     sub: Submit,
@@ -264,7 +275,6 @@ async def _respond(
     A repeated idempotency key answers the same way with the job it names. Only the request that created a job
     cancels it when its client disconnects: a retry that goes away leaves the job to the others waiting on it.
     """
-    model = svc.model.resolve(body.model)
     request_id = sub.request_id or body.request_id
     job, position, created = await svc.store.submit(
         body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key

@@ -100,6 +100,18 @@ class ServiceUnavailable(ChatqError):
     status, type = 503, "ServiceUnavailableError"
 
 
+class NoLiveWorker(ServiceUnavailable):
+    """The model is registered but none of its workers is live: a request that waits for its answer would hang."""
+
+    def __init__(self, model: str, retry_after: int) -> None:
+        super().__init__(
+            f"No worker of model `{model}` is running; retry later, or submit with `background: true` to queue the "
+            "job until one starts.",
+            "model",
+            headers={"Retry-After": str(retry_after)},
+        )
+
+
 class RedisUnreachable(ServiceUnavailable):
     def __init__(self) -> None:
         super().__init__("The job store (Redis) is unreachable; retry.", headers={"Retry-After": "1"})

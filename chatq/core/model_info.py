@@ -1,5 +1,5 @@
-"""The served model's facts, read from its directory in one place: the API validates and renders requests with
-them, the worker generates with them, so both agree on every limit."""
+"""A model's facts, read from its directory in one place: the worker generates with them and registers them in Redis
+(chatq.core.registry), where the API reads them to validate and render requests, so both agree on every limit."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
-    path: Path
     max_model_len: int
     vocab_size: int  # rows of the logits, maybe more than the tokenizer's vocabulary
     chat_templates: dict[str, str]  # name -> jinja source; always "default", maybe "tool_use"
@@ -37,7 +36,6 @@ class ModelInfo:
         special = {k: _token_text(tokenizer_config.get(k)) for k in SPECIAL_TOKENS}
         return cls(
             name=name,
-            path=path,
             max_model_len=max_model_len or _context_length(config, path),
             vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
             chat_templates=_chat_templates(path, tokenizer_config),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import collector, keys, scripts
+from chatq.core import collector, keys, registry, scripts
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
@@ -48,6 +48,8 @@ class WorkerState:
     # addressed to it. A worker restarted under the same node name is another holder, so the sweep reclaims the jobs
     # the dead one held.
     name: str
+    # The model's registry entry (chatq.core.registry.entry), written again whenever the heartbeat finds it gone.
+    entry: dict[str, str]
 
 
 _state: WorkerState | None = None
@@ -63,7 +65,9 @@ def _load(sender=None, **_kwargs) -> None:
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
     runner.start()
-    _state = WorkerState(client, runner, name)
+    entry = registry.entry(runner.model)
+    registry.register(client, entry)
+    _state = WorkerState(client, runner, name, entry)
 
 
 @signals.worker_ready.connect
@@ -138,7 +142,14 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
         else:
             pipe.zadd(key, {state.name: now})
         pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
-        pipe.execute()
+        pipe.hget(keys.model(settings.model_name), "digest")
+        digest = pipe.execute()[-1]
+        if digest != state.entry["digest"]:
+            # Redis lost its data, or a worker of other files under this name took the entry over: the API must
+            # render with the files this worker generates with.
+            if digest is not None:
+                log.warning("workers of model %s disagree on its files: each registers its own", settings.model_name)
+            registry.register(state.redis, state.entry)
     except redis.RedisError:
         log.warning("heartbeat failed", exc_info=True)
     if stalled:

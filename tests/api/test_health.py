@@ -5,15 +5,19 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from chatq.api.app import create_app
-from chatq.embedded_redis import free_port
+from chatq.embedded_redis import EmbeddedRedis, free_port
 
 
-def test_health_is_503_without_a_live_worker(settings):
-    app = create_app(settings.model_copy(update={"model_name": "model-without-workers"}))
-    with TestClient(app) as c:
-        resp = c.get("/health")
+def test_health_is_503_without_a_live_worker(settings, tmp_path):
+    empty = EmbeddedRedis(tmp_path, persist=False).start()
+    try:
+        with TestClient(create_app(settings.model_copy(update={"redis_url": empty.url}))) as c:
+            resp = c.get("/health")
+    finally:
+        empty.stop()
     assert resp.status_code == 503
-    assert "no live worker for model `model-without-workers`" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["message"] == "no live worker for any model"
+
 
 
 def test_health_is_503_without_redis(settings):

@@ -10,6 +10,7 @@ import pytest
 
 from chatq.cli import flower_env, main
 from chatq.core.settings import Settings
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize(("name", "value"), [("worker_ttl", 0), ("api_port", 70000), ("result_ttl", -1)])
@@ -58,3 +59,16 @@ def test_flower_gets_its_login_as_its_basic_auth_option():
         "FLOWER_BASIC_AUTH": "ops:pw,admin:pw2",
     }
     assert "FLOWER_BASIC_AUTH" not in flower_env(Settings(), {})
+
+
+def test_every_setting_is_documented_with_its_default():
+    """docs/configuration.md's table names each CHATQ_ variable beside its default."""
+    table = [line for line in (ROOT / "docs" / "configuration.md").read_text().splitlines() if line.startswith("| `")]
+    for name, field in Settings.model_fields.items():
+        variable = f"`CHATQ_{name.upper()}`"
+        rows = [line for line in table if variable in line.split("|")[1]]
+        assert rows, f"{variable} is missing from docs/configuration.md"
+        if field.default_factory is None and not isinstance(field.default, Path):
+            default = field.default.get_secret_value() if hasattr(field.default, "get_secret_value") else field.default
+            default = int(default) if isinstance(default, float) and default.is_integer() else default
+            assert (f"`{default}`" if default != "" else "empty") in rows[0].split("|")[2], variable

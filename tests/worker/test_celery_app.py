@@ -1,7 +1,9 @@
-"""The worker's heartbeat: in the live-worker registry only while its engine makes progress."""
+"""The worker's heartbeat: in the live-worker registry only while its engine makes progress, its model's entry written
+again whenever it is gone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -10,6 +12,7 @@ import redis
 from bench.zero_engine import ZeroEngine
 from chatq.core import keys
 from chatq.core.job import Job
+from chatq.core.registry import entry, read_entry
 from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.celery_app import WorkerState, beat
 from chatq.worker.publish import Publisher
@@ -33,8 +36,9 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
     settings = settings.model_copy(update={"model_name": "model-of-a-hanging-worker", "step_timeout": 0.3})
     engine = HangingEngine(token_id=5)
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    runner = Runner(lambda: engine, model_info(10**7, (2,)), Publisher(client, settings, "hanging"), settings=settings)
-    state = WorkerState(client, runner, "hanging")
+    info = dataclasses.replace(model_info(10**7, (2,)), name=settings.model_name)
+    runner = Runner(lambda: engine, info, Publisher(client, settings, "hanging"), settings=settings)
+    state = WorkerState(client, runner, "hanging", entry(info))
     registry = keys.workers(settings.model_name)
     runner.start()
     try:
@@ -58,4 +62,26 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
         engine.release.set()
         runner.stop()
     assert runner.stalled(settings.step_timeout) == "the engine thread has stopped"
-    r.delete(registry, keys.job("chatcmpl-hanging"), keys.events("chatcmpl-hanging"))
+    r.delete(registry, keys.job("chatcmpl-hanging"), keys.events("chatcmpl-hanging"), keys.model(settings.model_name))
+    r.srem(keys.models(), settings.model_name)
+
+
+def test_the_heartbeat_registers_the_model_again_when_redis_lost_its_entry(settings, r):
+    settings = settings.model_copy(update={"model_name": "model-whose-entry-goes"})
+    info = dataclasses.replace(model_info(), name=settings.model_name)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    runner = Runner(lambda: ZeroEngine(token_id=5), info, Publisher(client, settings, "w"), settings=settings)
+    state = WorkerState(client, runner, "w", entry(info))
+    runner.start()
+    try:
+        assert beat(state, settings) is None
+        assert read_entry(r.hgetall(keys.model(settings.model_name)))[0] == info  # a worker's beat writes it
+        r.delete(keys.model(settings.model_name))
+        r.srem(keys.models(), settings.model_name)
+        beat(state, settings)
+        assert read_entry(r.hgetall(keys.model(settings.model_name)))[0] == info
+        assert settings.model_name in r.smembers(keys.models())
+    finally:
+        runner.stop()
+        r.delete(keys.model(settings.model_name), keys.workers(settings.model_name))
+        r.srem(keys.models(), settings.model_name)

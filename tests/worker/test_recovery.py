@@ -4,92 +4,21 @@ an API of this module's own. The job continues on another worker from its last p
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from bench import soak
-from chatq.cli import api_command, worker_command
+from chatq.cli import api_command
 from chatq.core import keys
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import ROOT, Frame, frames
+from tests.helpers import Cluster, Frame, frames
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
-
-
-class Cluster:
-    """The API and named worker processes, started and stopped as a test needs."""
-
-    def __init__(self, settings: Settings, logs: Path):
-        self.settings, self.logs = settings, logs
-        self.env = dict(os.environ) | {
-            "CHATQ_REDIS_URL": settings.redis_url,
-            "CHATQ_API_PORT": str(settings.api_port),
-            "CHATQ_WORKER_CONCURRENCY": "8",
-            "CHATQ_WORKER_TTL": str(settings.worker_ttl),
-            "CHATQ_STOP_GRACE": str(settings.stop_grace),
-            "CHATQ_MAX_ATTEMPTS": str(settings.max_attempts),
-            "CHATQ_RESULT_TTL": str(settings.result_ttl),
-            "CHATQ_SSE_KEEPALIVE": "0.5",
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._started = 0
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (the process holds it)
-        proc = subprocess.Popen(command, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        return proc
-
-    def start_worker(self) -> str:
-        self._started += 1
-        name = f"w{self._started}"
-        command = worker_command(self.settings)
-        command[command.index("-n") + 1] = f"{name}@test"
-        self.start(name, command)
-        return name
-
-    def live_workers(self) -> set[str]:
-        registry = self.r.zrangebyscore(keys.workers(self.settings.model_name), time.time() - 3, "+inf")
-        return {entry.split("@")[0] for entry in registry}
-
-    def wait_live(self, *names: str, timeout: float = 180) -> None:
-        deadline = time.time() + timeout
-        while not set(names) <= self.live_workers():
-            dead = [n for n in names if self.procs[n].poll() is not None]
-            assert not dead and time.time() < deadline, f"workers {names} did not register: {self.tail(*names)}"
-            time.sleep(0.2)
-
-    def holder(self, job_id: str, timeout: float = 120) -> str:
-        """The worker running the job, once one claimed it."""
-        deadline = time.time() + timeout
-        while not (worker := self.r.hget(keys.job(job_id), "worker")):
-            assert time.time() < deadline, f"no worker took {job_id}"
-            time.sleep(0.05)
-        return worker.split("@")[0]
-
-    def signal(self, name: str, sig: int) -> None:
-        self.procs[name].send_signal(sig)
-
-    def tail(self, *names: str) -> str:
-        return "\n".join((self.logs / f"{n}.log").read_text(errors="replace")[-2000:] for n in names)
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs.values():
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
