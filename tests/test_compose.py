@@ -27,7 +27,6 @@ RAW = (ROOT / "docker-compose.yml").read_text()
 SCHEMA = json.loads(
     (importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
 )
-CHATQ_ROLES = ("api", "worker", "flower")
 
 # ${VAR}, ${VAR:-default} (unset or empty) and ${VAR-default} (unset), as Compose interpolates them.
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
@@ -84,6 +83,7 @@ class Stage:
 
 
 def dockerfile() -> dict[str, Stage]:
+    """The Dockerfile's stages by name, read as text: enough for the few instructions it uses."""
     stages: dict[str, Stage] = {}
     current: Stage | None = None
     text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
@@ -93,7 +93,8 @@ def dockerfile() -> dict[str, Stage]:
         word, _, rest = line.partition(" ")
         if word.upper() == "FROM":
             base, *alias = re.split(r"\s+as\s+", rest.strip(), flags=re.I)
-            current = stages[alias[0] if alias else base] = Stage(alias[0] if alias else base, base)
+            name = alias[0] if alias else base
+            current = stages[name] = Stage(name, base)
         else:
             assert current is not None, line
             current.lines.append((word.upper(), rest.strip()))
@@ -108,6 +109,7 @@ def target(name: str) -> list[tuple[str, str]]:
 
 
 def image_env(name: str) -> dict[str, str]:
+    """A target's ENV (unquoted KEY=value pairs, as the Dockerfile writes them)."""
     env: dict[str, str] = {}
     for word, rest in target(name):
         if word == "ENV":
