@@ -19,7 +19,6 @@ def test_health_is_503_without_a_live_worker(settings, tmp_path):
     assert resp.json()["error"]["message"] == "no live worker for any model"
 
 
-
 def test_health_is_503_without_redis(settings):
     app = create_app(settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
     with TestClient(app) as c:
