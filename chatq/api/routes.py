@@ -25,7 +25,7 @@ from chatq.api.errors import BodyTooLarge
 from chatq.api.jobs import JobStore
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
-from chatq.core import keys
+from chatq.core import keys, telemetry
 from chatq.core.errors import BadRequest, ClientDisconnected, RequestTooLarge, ServiceUnavailable
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -267,7 +267,7 @@ async def _respond(
     model = svc.model.resolve(body.model)
     request_id = sub.request_id or body.request_id
     job, position, created = await svc.store.submit(
-        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key
+        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
     )
     cancels = created and not body.background
     if body.stream:
