@@ -12,13 +12,12 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, TextIO
 
 from pythonjsonlogger.orjson import OrjsonFormatter
 
 from chatq.core.telemetry import TraceIds
 
-JOB_FIELDS = ("job_id", "trace_id", "span_id")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers that uvicorn gives handlers of its own, with its own format.
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -74,7 +73,7 @@ def json_formatter() -> logging.Formatter:
     )
 
 
-def handler(fmt: Literal["text", "json"], stream=None) -> logging.Handler:
+def handler(fmt: Literal["text", "json"], stream: TextIO | None = None) -> logging.Handler:
     """A stream handler (stderr by default) writing lines in the format, with the job's fields."""
     out = logging.StreamHandler(stream or sys.stderr)
     out.setFormatter(json_formatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
