@@ -34,10 +34,16 @@ def _celery(*args: str) -> list[str]:
     return [str(script), *args] if script.exists() else _python("-m", "celery", *args)
 
 
+def _quiet(settings: Settings) -> list[str]:
+    # Celery's and Flower's start banners are plain text: JSON logs must hold JSON lines only.
+    return ["--quiet"] if settings.log_format == "json" else []
+
+
 def worker_command(settings: Settings) -> list[str]:
     return _celery(
         "-A",
         "chatq.worker.celery_app",
+        *_quiet(settings),
         "worker",
         "-P",
         "threads",
@@ -73,6 +79,7 @@ def flower_command(settings: Settings) -> list[str]:
     return _celery(
         "-A",
         "chatq.worker.celery_app",
+        *_quiet(settings),
         "flower",
         f"--port={settings.flower_port}",
         f"--address={settings.api_host}",

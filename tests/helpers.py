@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +85,8 @@ def alive(pid: int | str) -> bool:
         return False
 
 
-def _env(settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ) | dict(extra or {})
     env.update(
         CHATQ_REDIS_URL=settings.redis_url,
         CHATQ_API_PORT=str(settings.api_port),
@@ -95,19 +95,21 @@ def _env(settings: Settings) -> dict[str, str]:
         CHATQ_API_KEYS=settings.api_keys.get_secret_value(),
         CHATQ_MAX_QUEUED=str(settings.max_queued),
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
+        CHATQ_LOG_FORMAT=settings.log_format,
         PYTHONUNBUFFERED="1",
     )
     return env
 
 
 @contextlib.contextmanager
-def running_stack(settings: Settings, logs: Path) -> Iterator[str]:
-    """A worker and an API on `settings`' Redis; the API's base URL once it is healthy."""
+def running_stack(settings: Settings, logs: Path, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """A worker and an API on `settings`' Redis, `env` added to their environment; the API's base URL once it is
+    healthy."""
     procs = []
     for name, command in (("worker", worker_command(settings)), ("api", api_command(settings))):
         out = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (closed with the process below)
         procs.append(
-            (subprocess.Popen(command, env=_env(settings), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out)
+            (subprocess.Popen(command, env=_env(settings, env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out)
         )
     base = f"http://{settings.api_host}:{settings.api_port}"
     try:

@@ -17,7 +17,7 @@ from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.routes import Service, open_router, router
-from chatq.core import collector
+from chatq.core import collector, logs, telemetry
 from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
 
@@ -48,6 +48,7 @@ def create_app(settings: Settings) -> FastAPI:
         collector.settle()
         yield
         await client.aclose()
+        telemetry.shutdown()
         gc.unfreeze()
 
     app = FastAPI(title="chatq", lifespan=lifespan)
@@ -59,6 +60,19 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def traced(app: FastAPI) -> FastAPI:
+    """The app with a server span per request (OTel's ASGI middleware, so it spans every route class), the parent
+    of the spans of the jobs it submits. Without spans per ASGI message: a stream would have one per token."""
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="/health,/version", exclude_spans=["receive", "send"])
+    return app
+
+
 def app_from_env() -> FastAPI:
-    """Entry point for uvicorn (`uvicorn --factory chatq.api.app:app_from_env`)."""
-    return create_app(Settings())
+    """Entry point for uvicorn (`uvicorn --factory chatq.api.app:app_from_env`): its logging and tracing set up
+    here, after uvicorn set up its own."""
+    settings = Settings()
+    logs.configure(settings.log_format)
+    app = create_app(settings)
+    return traced(app) if telemetry.setup("chatq-api") else app

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import redis.asyncio as aioredis
 from celery import Celery
 from pydantic_core import PydanticSerializationError
 
-from chatq.core import keys, scripts
+from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.chunks import never_ran
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
@@ -22,6 +24,8 @@ from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Outcome
 from chatq.core.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # Seconds a client refused for a full queue is told to wait: about a short generation's time.
 QUEUE_FULL_RETRY_AFTER = 5
@@ -54,14 +58,22 @@ class JobStore:
         request_id: str | None,
         owner: str = "",
         idempotency_key: str | None = None,
+        trace: Mapping[str, str] = {},  # noqa: B006  (read only)
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
-        `idempotency_key` already names for this owner, with nothing enqueued."""
+        `idempotency_key` already names for this owner, with nothing enqueued. `trace` is the trace context the
+        job keeps (telemetry.job_trace)."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         job = Job(
-            id=prefix + (request_id or uuid.uuid4().hex), model=model, kind=kind, request=request, prompt_ids=prompt_ids
+            id=prefix + (request_id or uuid.uuid4().hex),
+            model=model,
+            kind=kind,
+            request=request,
+            prompt_ids=prompt_ids,
+            traceparent=trace.get("traceparent", ""),
+            tracestate=trace.get("tracestate", ""),
         )
         lane, now = celery_priority(request.priority, request.background), time.time()
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
@@ -78,6 +90,9 @@ class JobStore:
             raise QueueFull(model, QUEUE_FULL_RETRY_AFTER)
         if done.outcome is Outcome.taken or done.rank is None:
             raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
+        logs.bind(job.id, telemetry.ids(job.traceparent))
+        # The job's one line in the API's log: what ties a request to the worker's lines about its job.
+        log.info("job %s queued for %s at position %d", job.id, model, done.rank + 1)
         return Submission(job, done.rank + 1, created=True)
 
     @staticmethod
@@ -94,13 +109,15 @@ class JobStore:
         return Job.from_redis(await self._visible(job_id, owner))
 
     async def _visible(self, job_id: str, owner: str | None) -> dict[str, str]:
-        """The job's record; another owner's job is not found, exactly as one that does not exist."""
+        """The job's record; another owner's job is not found, exactly as one that does not exist. The request's log
+        lines name the job from here on."""
         self._check(job_id)
         h: dict[str, str] = await self.redis.hgetall(keys.job(job_id))  # type: ignore[assignment]  # a decoding client
         if not h or "deleted" in h:  # a deleted job whose run is still stopping
             raise JobNotFound(job_id)
         if owner is not None and not hmac.compare_digest(h.get("owner", ""), owner):
             raise JobNotFound(job_id)
+        logs.bind(job_id, telemetry.ids(h.get("traceparent", "")))
         return h
 
     async def cancel(self, job_id: str, delete: bool = False, owner: str | None = None) -> None:

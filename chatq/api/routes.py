@@ -25,7 +25,7 @@ from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
-from chatq.core import registry
+from chatq.core import registry, telemetry
 from chatq.core.errors import BadRequest, ClientDisconnected, RedisUnreachable, RequestTooLarge, ServiceUnavailable
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -277,7 +277,7 @@ async def _respond(
     """
     request_id = sub.request_id or body.request_id
     job, position, created = await svc.store.submit(
-        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key
+        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
     )
     cancels = created and not body.background
     if body.stream:

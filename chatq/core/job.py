@@ -41,6 +41,9 @@ class Job(BaseModel):
     completion_tokens: int = 0
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    # The W3C trace context of the request that submitted the job ("" for none): the worker's spans continue it.
+    traceparent: str = ""
+    tracestate: str = ""
 
     def to_redis(self) -> dict[str, str]:
         out = {
@@ -61,6 +64,10 @@ class Job(BaseModel):
             out["result"] = json.dumps(self.result)
         if self.error is not None:
             out["error"] = json.dumps(self.error)
+        if self.traceparent:
+            out["traceparent"] = self.traceparent
+        if self.tracestate:
+            out["tracestate"] = self.tracestate
         return out
 
     @classmethod
@@ -80,6 +87,8 @@ class Job(BaseModel):
             completion_tokens=int(h.get("completion_tokens", 0)),
             result=json.loads(h["result"]) if "result" in h else None,
             error=json.loads(h["error"]) if "error" in h else None,
+            traceparent=h.get("traceparent", ""),
+            tracestate=h.get("tracestate", ""),
         )
 
 

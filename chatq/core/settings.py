@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # Flower's login, "user:password" (several: comma-separated); empty leaves its pages open to whoever reaches
     # its port. Secret, so a printed or logged Settings never shows it.
     flower_auth: SecretStr = SecretStr("")
+    # "json": every log line of the API, the worker and Flower is one JSON object (time, level, logger, message,
+    # and the job_id/trace_id/span_id of the job it concerns), for a log pipeline to index; "text": plain lines.
+    log_format: Literal["text", "json"] = "text"
 
     @field_validator("flower_auth")
     @classmethod

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import collector, keys, registry, scripts
+from chatq.core import collector, keys, logs, registry, scripts, telemetry
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
+from chatq.worker.tracing import JobTrace, attempt
 
 if TYPE_CHECKING:
     from chatq.worker.runner import Runner
@@ -38,6 +39,10 @@ for name in ("celery.app.trace", "celery.worker.strategy"):
 
 settings = Settings()
 app = make_celery(settings)
+if settings.log_format == "json":
+    # Before Celery's logging or Flower's (tornado's) sets up: both leave a root logger with a handler as it is, so
+    # the worker's lines and Flower's are JSON from the first.
+    logs.configure("json")
 
 
 @dataclass
@@ -56,11 +61,25 @@ _state: WorkerState | None = None
 _heartbeat_stop = threading.Event()
 
 
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _log_format(logger: logging.Logger, **_kwargs) -> None:
+    """Celery's handlers (worker_hijack_root_logger=False leaves it setting up its own) in CHATQ_LOG_FORMAT, with the
+    job's fields."""
+    logs.adopt(logger, settings.log_format)
+
+
 @signals.worker_init.connect
 def _load(sender=None, **_kwargs) -> None:
     global _state
     from chatq.worker.build import build_runner
 
+    telemetry.setup("chatq-worker")
+    if settings.log_format == "json":
+        # transformers draws its weight-loading progress bar on stderr, ahead of Celery's redirection of it.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
@@ -83,6 +102,7 @@ def _shutdown(**_kwargs) -> None:
     if _state is not None:
         _state.redis.zrem(keys.workers(settings.model_name), _state.name)
         _state.runner.stop()
+    telemetry.shutdown()
     # Frozen objects are never freed, and Triton's bindings list each one they still own at exit.
     gc.unfreeze()
 
@@ -165,10 +185,16 @@ def generate(self, job_id: str) -> str:
     record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane, delivery)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
-    if (stale := _state.runner.holds(job_id)) is not None:
+    with attempt(record, settings.model_name) as spans:
+        return _run(_state, job_id, record, spans)
+
+
+def _run(state: WorkerState, job_id: str, record: dict[str, str], spans: JobTrace) -> str:
+    """Runs the claimed job to its end (or hand-over); its status."""
+    if (stale := state.runner.holds(job_id)) is not None:
         # Reclaimed from this very worker while it was counted out (a stalled step): the run it still had goes,
         # and the new one continues from the log.
-        _state.runner.release([job_id])
+        state.runner.release([job_id])
         stale.done.wait()
     try:
         job = Job.from_redis(record)
@@ -176,13 +202,14 @@ def generate(self, job_id: str) -> str:
         # Its type only: the error's text quotes the record, and so the request.
         log.error("job %s has a record this worker cannot read (%s)", job_id, type(e).__name__)
         _fail_unreadable(
-            _state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
+            state, job_id, InternalError(f"This worker cannot read the job's record ({type(e).__name__}).")
         )
         return JobStatus.failed.value
     # A log means an earlier attempt (a worker that died or handed the job back): this one goes on from it.
-    earlier = _read_log(_state.redis, job_id) or None
-    run = _state.runner.submit(job, earlier)
+    earlier = _read_log(state.redis, job_id) or None
+    run = state.runner.submit(job, earlier)
     run.done.wait()
+    spans.finish(run)
     return run.status.value if run.status else "handed over"
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chatq.core import logs
 from chatq.worker.blocks import BlockManager
 from chatq.worker.forward import Batch, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
@@ -356,7 +357,7 @@ class Engine:
                     tokens.append(t[0])
                     logprobs.append(lp[0])
                 except Exception as e:
-                    log.exception("sampling failed for %s", s.id)
+                    log.exception("sampling failed for %s", s.id, extra=_job_of(s))
                     s.error = f"sampling failed ({type(e).__name__})"
                     tokens.append(-1)
                     logprobs.append(None)
@@ -365,7 +366,7 @@ class Engine:
             try:
                 finish, error = self._advance(seq, token)
             except Exception as e:  # one sequence's grammar must not stop the others' step
-                log.exception("advancing %s failed", seq.id)
+                log.exception("advancing %s failed", seq.id, extra=_job_of(seq))
                 finish, error = Finish.error, f"generation failed ({type(e).__name__})"
             if finish is Finish.error:
                 outputs.extend(self._fail([seq], error or "generation failed"))
@@ -406,3 +407,8 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= p:
         return seq.output_ids[start - p : end - p]
     return seq.prompt_ids[start:] + seq.output_ids[: end - p]
+
+
+def _job_of(seq: Sequence) -> dict[str, str]:
+    """The log fields naming the sequence's job: its id is the job's id, "/", the choice's index (see jobrun)."""
+    return logs.job_extra(seq.id.rpartition("/")[0])

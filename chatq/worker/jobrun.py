@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from chatq.core import chunks
+from chatq.core import chunks, logs
 from chatq.core.chunks import TokenInfo
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
@@ -82,12 +82,18 @@ class JobRun:
         self.continuous_usage = False
         self.resumed = False
         self.choices: list[Choice] = []
+        # When the engine took the job in and gave its first token (time.time_ns()), for the job's spans.
+        self.started_ns: int | None = None
+        self.first_token_ns: int | None = None
+        # The job's fields on the lines the engine loop logs about it (chatq.core.logs): those of the task thread
+        # that submits it.
+        self.log_extra = logs.current() or logs.job_extra(job.id)
         try:
             self._prepare(settings, compiler)
         except BadRequest as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
             self.error, self.choices = e, []
         except Exception as e:  # a job that cannot start must end failed, not stay in progress with no one on it
-            log.exception("job %s could not be prepared", job.id)
+            log.exception("job %s could not be prepared", job.id, extra=self.log_extra)
             self.error, self.choices = InternalError(f"preparing the job failed ({type(e).__name__})"), []
 
     def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
@@ -307,7 +313,7 @@ class JobRun:
         try:
             return self._end()
         except Exception as e:  # this job fails alone; the step's other writes must still go out
-            log.exception("job %s failed while building its result", self.job.id)
+            log.exception("job %s failed while building its result", self.job.id, extra=self.log_extra)
             self.last_seq = seq  # no gap in the event numbers
             self.error = InternalError(f"building the result failed ({type(e).__name__})")
             return self._end()

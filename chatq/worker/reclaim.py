@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 
-from chatq.core import keys, scripts
+from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.errors import WorkerLost
 from chatq.core.queue import task_message
 from chatq.core.settings import Settings
@@ -40,9 +40,9 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
     live = set(client.zrangebyscore(keys.workers(model), time.time() - settings.worker_ttl, "+inf"))  # type: ignore[arg-type]
     pipe = client.pipeline(transaction=False)
     for job_id in running:
-        pipe.hmget(keys.job(job_id), "status", "worker", "lane", "created")
+        pipe.hmget(keys.job(job_id), "status", "worker", "lane", "created", "traceparent")
     outcomes: dict[str, str] = {}
-    for job_id, (status, holder, lane, created) in zip(running, pipe.execute(), strict=True):
+    for job_id, (status, holder, lane, created, traceparent) in zip(running, pipe.execute(), strict=True):
         if status != "in_progress":
             if status != "queued":  # gone, or ended without its last write reaching the set
                 client.srem(keys.running(model), job_id)
@@ -52,7 +52,8 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
         how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
         outcome = scripts.reclaim(client, job_id, model, holder, settings.worker_ttl, how)
         if outcome is not None:
-            log.warning("job %s of worker %s, which stopped: %s", job_id, holder, outcome)
+            extra = logs.job_extra(job_id, telemetry.ids(traceparent or ""))
+            log.warning("job %s of worker %s, which stopped: %s", job_id, holder, outcome, extra=extra)
             outcomes[job_id] = outcome
     return outcomes
 
@@ -64,14 +65,15 @@ def _sweep_queued(client: redis.Redis, settings: Settings) -> dict[str, str]:
         return {}
     pipe = client.pipeline(transaction=False)
     for job_id in queued:
-        pipe.hmget(keys.job(job_id), "queued_at", "tag", "task_queue")
+        pipe.hmget(keys.job(job_id), "queued_at", "tag", "task_queue", "traceparent")
     outcomes: dict[str, str] = {}
     old = time.time() - settings.worker_ttl
-    for job_id, (queued_at, tag, queue) in zip(queued, pipe.execute(), strict=True):
+    for job_id, (queued_at, tag, queue, traceparent) in zip(queued, pipe.execute(), strict=True):
         if queued_at is None or float(queued_at) > old or tag is None:
             continue
         if scripts.redeliver(client, job_id, queue, tag, settings.worker_ttl):
-            log.warning("job %s had lost its task message on the way to a worker: sent again", job_id)
+            extra = logs.job_extra(job_id, telemetry.ids(traceparent or ""))
+            log.warning("job %s had lost its task message on the way to a worker: sent again", job_id, extra=extra)
             outcomes[job_id] = "sent again"
     return outcomes
 

@@ -153,6 +153,7 @@ class Runner:
             except queue.Empty:
                 return refused
             self.runs[run.job.id] = run
+            run.started_ns = time.time_ns()
             writes.events.extend((run.job.id, e) for e in run.start())
             for c in run.choices:
                 self.by_seq[c.seq.id] = (run, c)
@@ -171,7 +172,9 @@ class Runner:
             run = self.runs.pop(job_id, None)
             if run is None:
                 continue
-            log.warning("job %s is held by another worker now: stopping this worker's run of it", job_id)
+            log.warning(
+                "job %s is held by another worker now: stopping this worker's run of it", job_id, extra=run.log_extra
+            )
             for c in run.choices:
                 self.by_seq.pop(c.seq.id, None)
                 self.engine.cancel(c.seq.id)
@@ -193,11 +196,13 @@ class Runner:
             return
         run, choice = entry
         touched[run.job.id] = run
+        if run.first_token_ns is None and out.token is not None:
+            run.first_token_ns = time.time_ns()
         numbered = run.last_seq
         try:
             events, stop_now = run.on_output(choice, out)
         except Exception as e:  # one job's text handling must not sink the others
-            log.exception("job %s failed while handling its output", run.job.id)
+            log.exception("job %s failed while handling its output", run.job.id, extra=run.log_extra)
             run.error = InternalError(f"output processing failed ({type(e).__name__})")
             run.last_seq = numbered  # events it numbered are dropped: the error takes the next number
             events, stop_now = [], False
