@@ -158,6 +158,7 @@ async function chat(body, text) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       state.jobId = chunk.id || state.jobId;
+      view.root.dataset.job = state.jobId;
       apply(view, chunk);
       log.scrollTop = log.scrollHeight;
     }
