@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from chatq.core import keys
+from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.requests import ChatCompletionRequest
 from tests.api.conftest import KEY_A, Guarded
 from tests.helpers import wait_for
 
@@ -127,6 +133,39 @@ def test_a_background_job_is_listed_and_opened_from_the_jobs_view(page: Any, htt
     expect(page.locator("#job-output .finish")).to_have_text(f"finished: {done['choices'][0]['finish_reason']}")
     assert output.text_content() == _content(done)
     assert page.locator("#log .msg").count() == 0  # a background job is not in the chat
+
+
+def _reasoned_job(r: redis.Redis, model: str) -> str:
+    """A finished job as a worker with a reasoning parser leaves it, in the open API's list: the default model writes
+    no thoughts, and a parser is a worker's setting, so this stack's worker has none."""
+    job_id = f"chatcmpl-pg-{uuid.uuid4().hex[:8]}"
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Why?"}])
+    deltas = [{"role": "assistant"}, {"reasoning": "Let me think. "}, {"reasoning": "Yes."}, {"content": "Because."}]
+    chunks = [{"id": job_id, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = "stop"
+    message = {"role": "assistant", "content": "Because.", "reasoning": "Let me think. Yes."}
+    result = {"id": job_id, "object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+    job = Job(id=job_id, model=model, request=request, status=JobStatus.completed, result=result)
+    r.hset(keys.job(job_id), mapping=job.to_redis())
+    events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, 1)]
+    for e in [*events, Event(seq=len(events) + 1, event=EventKind.done)]:
+        r.xadd(keys.events(job_id), {"msg": e.to_json()}, id=f"0-{e.seq}")
+    r.zadd(keys.owner_jobs(""), {job_id: time.time()})
+    for key in (keys.job(job_id), keys.events(job_id)):
+        r.expire(key, 600)
+    return job_id
+
+
+def test_reasoning_shows_in_a_collapsed_block(page: Any, r: redis.Redis, model_name: str):
+    job_id = _reasoned_job(r, model_name)
+    page.click("#refresh")
+    page.locator(f"#job-rows tr[data-id='{job_id}'] button.open").click()
+    expect(page.locator("#job-output .content")).to_have_text("Because.")
+    reasoning = page.locator("#job-output details.reasoning")
+    expect(reasoning.locator("summary")).to_have_text("reasoning")
+    expect(reasoning.locator(".reasoning-text")).to_be_hidden()  # collapsed until clicked
+    reasoning.locator("summary").click()
+    expect(reasoning.locator(".reasoning-text")).to_have_text("Let me think. Yes.")
 
 
 def test_the_page_asks_for_a_key_when_the_api_needs_one(browser: Any, guarded: Guarded):
