@@ -47,9 +47,12 @@ def page(browser: Any, stack: str) -> Iterator[Any]:
     context = browser.new_context(base_url=stack)
     context.set_default_timeout(TIMEOUT)
     p = context.new_page()
+    script_errors: list[Any] = []
+    p.on("pageerror", lambda e: script_errors.append(e))
     p.goto("/")
     yield p
     context.close()
+    assert not script_errors  # the page's script threw nothing
 
 
 def _send(page: Any, text: str, max_tokens: int, extra: dict | None = None) -> None:
@@ -173,7 +176,8 @@ def test_the_page_asks_for_a_key_when_the_api_needs_one(browser: Any, guarded: G
     context.set_default_timeout(TIMEOUT)
     try:
         page = context.new_page()
-        page.goto("/")  # the page itself needs no key
+        resp = page.goto("/")  # the page itself needs no key
+        assert resp.status == 200 and resp.headers["content-security-policy"] == "default-src 'self'"
         expect(page.locator("#notice")).to_have_text("This API needs an API key: enter it above.")
         expect(page.locator("#key-field")).to_be_visible()
         page.fill("#key", "wrong-key")
