@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -16,7 +17,7 @@ from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
-from chatq.api.routes import Service, open_router, router
+from chatq.api.routes import PLAYGROUND, Service, open_router, router
 from chatq.core import collector, logs, telemetry
 from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
@@ -56,6 +57,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keys = api_keys
     app.include_router(router)
     app.include_router(open_router)
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     errors.install(app)
     return app
 

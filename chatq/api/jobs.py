@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import redis.asyncio as aioredis
@@ -22,13 +23,34 @@ from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
-from chatq.core.scripts import Outcome
+from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
 # Seconds a client refused for a full queue is told to wait: about a short generation's time.
 QUEUE_FULL_RETRY_AFTER = 5
+# Jobs an owner's list keeps, its newest: the oldest leave it (they stay readable by id until they expire).
+LISTED_JOBS = 1000
+# Ids read from an owner's list at a time while a page is gathered.
+LIST_BATCH = 100
+
+
+@dataclass(frozen=True)
+class Page:
+    """Which of an owner's jobs a list shows: at most `limit`, after the job `after`, in creation order or newest
+    first (`desc`), of one model or all."""
+
+    limit: int = 20
+    after: str | None = None
+    desc: bool = False
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class JobList:
+    jobs: list[Job]
+    has_more: bool
 
 
 class Submission(NamedTuple):
@@ -81,8 +103,9 @@ class JobStore:
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
         fields = self._record(job, owner) | task_fields(queue, message, now)
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
+        listing = Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         done = await scripts.submit(
-            self.redis, job.id, model, fields, queue, message, score, self.settings.max_queued, idem
+            self.redis, job.id, model, fields, queue, message, score, self.settings.max_queued, idem, listing
         )
         if done.outcome is Outcome.existing:
             return Submission(await self.get(done.job_id, owner), None, created=False)
@@ -160,6 +183,55 @@ class JobStore:
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
         await self.cancel(job_id, delete=True, owner=owner)
+
+    async def list_jobs(self, owner: str, page: Page) -> JobList:
+        """A page of the owner's jobs, newest first if `page.desc`; the ids of jobs that expired meanwhile (or whose
+        id another owner's job took since) leave the owner's list."""
+        key = keys.owner_jobs(owner)
+        start = await self._page_start(key, page)
+        jobs: list[Job] = []
+        gone: list[str] = []
+        while len(jobs) <= page.limit:
+            ids: list[str] = await self.redis.zrange(  # type: ignore[assignment]  # a decoding client's ids
+                key, start, start + LIST_BATCH - 1, desc=page.desc
+            )
+            if not ids:
+                break
+            start += len(ids)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hgetall(keys.job(job_id))
+                records: list[dict[str, str]] = await pipe.execute()
+            for job_id, h in zip(ids, records, strict=True):
+                job = self._listed(h, owner, page.model)
+                if job is not None:
+                    jobs.append(job)
+                elif not h or h.get("owner", "") != owner:
+                    gone.append(job_id)
+        if gone:
+            await self.redis.zrem(key, *gone)
+        return JobList(jobs[: page.limit], has_more=len(jobs) > page.limit)
+
+    async def _page_start(self, key: str, page: Page) -> int:
+        """The rank in the owner's list (in the page's order) that the page starts at: just past `page.after`."""
+        if page.after is None:
+            return 0
+        read = self.redis.zrevrank if page.desc else self.redis.zrank
+        rank: int | None = await read(key, page.after)  # type: ignore[assignment]  # a rank or None
+        if rank is None:
+            raise JobNotFound(page.after, "after")
+        return rank + 1
+
+    @staticmethod
+    def _listed(h: dict[str, str], owner: str, model: str | None) -> Job | None:
+        """The job of a record read for the owner's list, if the page shows it."""
+        if not h or "deleted" in h or h.get("owner", "") != owner:
+            return None
+        try:
+            job = Job.from_redis(h)
+        except (ValueError, KeyError):  # a record this version cannot read: left out, as GET would fail on it
+            return None
+        return job if model is None or job.model == model else None
 
     async def queue_position(self, job: Job) -> int | None:
         rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]

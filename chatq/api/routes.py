@@ -9,19 +9,20 @@ import importlib.metadata
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from chatq.api.admission import ServedModel
 from chatq.api.auth import Owner, authenticate
 from chatq.api.errors import BodyTooLarge
-from chatq.api.jobs import JobStore
+from chatq.api.jobs import JobStore, Page
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
@@ -33,6 +34,7 @@ from chatq.core.settings import Settings
 
 MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
 CANCEL_WAIT = 5.0  # seconds a cancel waits for a running job to stop
+PLAYGROUND = Path(__file__).parent / "playground"  # the playground page's files, package data
 
 
 @dataclass
@@ -151,6 +153,22 @@ async def create_completion(body: CompletionRequest, request: Request, svc: Svc,
     return await _respond(svc, body, "text", model.name, prompt_ids, request, sub)
 
 
+@router.get("/v1/chat/completions")
+async def list_chat_completions(
+    svc: Svc,
+    owner: Owner,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "asc",
+    model: str | None = None,
+) -> Any:
+    """The caller's own jobs (chat and legacy), as OpenAI lists stored chat completions: each as GET shows it."""
+    listed = await svc.store.list_jobs(owner, Page(limit, after, order == "desc", model))
+    data = [await svc.store.view(job) for job in listed.jobs]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": listed.has_more}
+
+
 @router.get("/v1/chat/completions/{job_id}")
 async def get_chat_completion(
     job_id: str,
@@ -218,6 +236,13 @@ def _detokenize(model: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
     if any(not 0 <= t < vocab for t in body.tokens):
         raise BadRequest(f"token ids must be in 0..{vocab - 1}", "tokens")
     return {"prompt": model.info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@open_router.get("/", include_in_schema=False)
+async def playground() -> FileResponse:
+    """The playground page; it needs no key, and asks for one when the API does. Its scripts and styles are the API's
+    own (PLAYGROUND, mounted at /playground): the policy lets the page load nothing from anywhere else."""
+    return FileResponse(PLAYGROUND / "index.html", headers={"Content-Security-Policy": "default-src 'self'"})
 
 
 @open_router.get("/version")

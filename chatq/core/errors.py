@@ -44,8 +44,8 @@ class ModelNotFound(NotFound):
 
 
 class JobNotFound(NotFound):
-    def __init__(self, job_id: str):
-        super().__init__(f"No chat completion found with id '{job_id}'.", "completion_id")
+    def __init__(self, job_id: str, param: str = "completion_id"):
+        super().__init__(f"No chat completion found with id '{job_id}'.", param)
 
 
 class JobGone(NotFound):

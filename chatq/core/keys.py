@@ -11,6 +11,7 @@ Layout (documented in docs/redis.md):
   chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
   chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
   chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
+  chatq:owner:{owner}:jobs  zset   that owner's newest job ids, scored by submit time, for the jobs list
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
   unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
 """
@@ -62,6 +63,11 @@ def idempotency(owner: str, key: str) -> str:
     """The job an Idempotency-Key names. `owner` is a hex hash (or empty for an open API), so the key's own colons
     cannot make two owners' names meet."""
     return f"{PREFIX}:idem:{owner}:{key}"
+
+
+def owner_jobs(owner: str) -> str:
+    """The ids of the jobs an owner submitted, newest kept, for GET /v1/chat/completions."""
+    return f"{PREFIX}:owner:{owner}:jobs"
 
 
 def celery_queue(model: str) -> str:

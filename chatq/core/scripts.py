@@ -23,11 +23,21 @@ from chatq.core import keys
 from chatq.core.job import Event
 from chatq.core.queue import task_fields
 
-# KEYS: job, waiting zset, Celery queue list, idempotency key. ARGV: job id, score, task message, the cap on waiting
-# jobs (0: none), keys.job(""), "1" when the request has an idempotency key, then the record's field/value pairs.
-# Returns {"queued", rank}, {"existing", id}, {"full"} or {"taken"}. The idempotent job's record key is completed
-# from the idempotency key's value, which Redis Cluster forbids (as the cancel script does).
-_SUBMIT = """
+# Lengthens a key's expiry to at least `ttl` seconds: a key without one gets it; a missing key stays missing.
+_EXTEND = """
+local function extend(key, ttl)
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('EXPIRE', key, ttl) end
+end
+"""
+
+# KEYS: job, waiting zset, Celery queue list, idempotency key, the owner's jobs list. ARGV: job id, score, task
+# message, the cap on waiting jobs (0: none), keys.job(""), "1" when the request has an idempotency key, "1" when the
+# job is listed, the list's length kept, its expiry, now, then the record's field/value pairs. Returns
+# {"queued", rank}, {"existing", id}, {"full"} or {"taken"}. The idempotent job's record key is completed from the
+# idempotency key's value, which Redis Cluster forbids (as the cancel script does).
+_SUBMIT = (
+    _EXTEND
+    + """
 local idem = ARGV[6] == '1'
 if idem then
   local existing = redis.call('GET', KEYS[4])
@@ -41,12 +51,18 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'taken'} end
 local cap = tonumber(ARGV[4])
 if cap > 0 and redis.call('ZCARD', KEYS[2]) >= cap then return {'full'} end
-redis.call('HSET', KEYS[1], 'id', ARGV[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], 'id', ARGV[1], unpack(ARGV, 11))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('LPUSH', KEYS[3], ARGV[3])
 if idem then redis.call('SET', KEYS[4], ARGV[1]) end
+if ARGV[7] == '1' then
+  redis.call('ZADD', KEYS[5], ARGV[10], ARGV[1])
+  redis.call('ZREMRANGEBYRANK', KEYS[5], 0, -1 - tonumber(ARGV[8]))
+  extend(KEYS[5], ARGV[9])
+end
 return {'queued', redis.call('ZRANK', KEYS[2], ARGV[1])}
 """
+)
 
 
 class Outcome(StrEnum):
@@ -54,6 +70,16 @@ class Outcome(StrEnum):
     existing = "existing"  # the idempotency key names a live job: nothing was written
     full = "full"  # too many jobs wait for the model: nothing was written
     taken = "taken"  # the job id belongs to another job: nothing was written
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """Where submit lists a job for its owner: the list (keys.owner_jobs), how many of its newest jobs it keeps, and
+    its expiry, which every submit and every end of a listed job lengthens to at least that of a finished record."""
+
+    key: str
+    keep: int
+    ttl: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +99,26 @@ async def submit(
     score: float,
     max_queued: int = 0,
     idem: str | None = None,
+    listing: Listing | None = None,
 ) -> Submitted:
     """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get.
 
     In the same step: a job the idempotency key already names is answered instead, a queue holding `max_queued`
     waiting jobs refuses it (so many APIs together never overshoot), and a taken id is refused (a repeated
     request_id never overwrites a job). `idem` is the idempotency key's Redis key (keys.idempotency); it is the
-    record's `idem` field too, set with no expiry: the job's end expires it.
+    record's `idem` field too, set with no expiry: the job's end expires it. With a `listing`, the job joins its
+    owner's list (named in the record's `index`), whose oldest jobs past `listing.keep` leave it.
     """
     script = client.register_script(_SUBMIT)
-    fields = {**record, "idem": idem} if idem else record
-    flags: list[str | int] = [max_queued, keys.job(""), "1" if idem else "0"]
+    fields = {**record, "idem": idem} if idem else dict(record)
+    if listing is not None:
+        fields["index"] = listing.key
+    flags: list[str | int | float] = [max_queued, keys.job(""), "1" if idem else "0", "1" if listing else "0"]
+    flags += [listing.keep, listing.ttl, time.time()] if listing else [0, 0, 0]
+    # A key the request has no use for is never touched: the record's name stands in.
+    listed = listing.key if listing is not None else keys.job(job_id)
     reply = await script(
-        # Without an idempotency key, the fourth key is never touched: the record's name stands in.
-        keys=[keys.job(job_id), keys.waiting(model), queue, idem or keys.job(job_id)],
+        keys=[keys.job(job_id), keys.waiting(model), queue, idem or keys.job(job_id), listed],
         args=[job_id, score, message, *flags, *_flat(fields)],
     )
     outcome = Outcome(reply[0])
@@ -129,8 +161,10 @@ def claim(
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
 # result ttl, the error event's data and the record's error (should the job have run out of attempts), then the
 # queued job's task fields.
-_RECLAIM = """
-local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery')
+_RECLAIM = (
+    _EXTEND
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery', 'index')
 if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
 if ARGV[4] ~= '0' then
   local beat = redis.call('ZSCORE', KEYS[4], ARGV[2])
@@ -162,6 +196,7 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   end
   redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[11], 'finished', ARGV[3])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
+  if h[6] then extend(h[6], ARGV[9]) end
   return 'failed'
 end
 redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 12))
@@ -171,6 +206,7 @@ redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
 redis.call('RPUSH', ARGV[7], ARGV[8])  -- the end workers pop from: it has waited once already
 return 'queued'
 """
+)
 
 
 @dataclass
@@ -233,7 +269,9 @@ def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, age: float
 # KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued
 # job's closing events in pairs (entry id, message). The prefixes are completed from the record, which Redis Cluster
 # forbids.
-_CANCEL = """
+_CANCEL = (
+    _EXTEND
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
 if status == 'queued' then
@@ -245,8 +283,9 @@ if status == 'queued' then
     redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-  local idem = redis.call('HGET', KEYS[1], 'idem')
+  local idem, index = unpack(redis.call('HMGET', KEYS[1], 'idem', 'index'))
   if idem then redis.call('EXPIRE', idem, ARGV[1]) end
+  if index then extend(index, ARGV[1]) end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
   if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
@@ -255,8 +294,9 @@ elseif status == 'in_progress' then
   redis.call('EXPIRE', ARGV[3] .. worker, ARGV[1])
 end
 if ARGV[4] == '1' then
-  local idem = redis.call('HGET', KEYS[1], 'idem')
+  local idem, index = unpack(redis.call('HMGET', KEYS[1], 'idem', 'index'))
   if idem then redis.call('DEL', idem) end
+  if index then redis.call('ZREM', index, ARGV[2]) end
   if status == 'in_progress' then
     redis.call('HSET', KEYS[1], 'deleted', '1')
     for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
@@ -266,6 +306,7 @@ if ARGV[4] == '1' then
 end
 return status
 """
+)
 
 
 async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event]) -> str | None:
@@ -336,9 +377,11 @@ def publish_events(pipe: Pipeline, worker: str, events: Iterable[tuple[str, Even
 
 # KEYS: job, events, the model's running set. ARGV: the writing worker, job id, ttl in seconds, "1" for the job's
 # last write ("0": progress), then field/value pairs. Returns 0 when the job is not the worker's to write (any more).
-_UPDATE_RECORD = """
+_UPDATE_RECORD = (
+    _EXTEND
+    + """
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem')
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem', 'index')
 if not h[1] or h[1] == 'queued' or (h[2] and h[2] ~= ARGV[1]) then return 0 end
 local last = ARGV[4] == '1'
 if last then redis.call('SREM', KEYS[3], ARGV[2]) end
@@ -350,9 +393,11 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 if last then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   if h[4] then redis.call('EXPIRE', h[4], ARGV[3]) end
+  if h[5] then extend(h[5], ARGV[3]) end
 end
 return 1
 """
+)
 
 
 def update_record(

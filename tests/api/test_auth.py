@@ -26,6 +26,7 @@ GUARDED = [
     ("POST", "/v1/chat/completions", {"messages": M, "max_tokens": 2}),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
     ("GET", "/v1/models", None),
+    ("GET", "/v1/chat/completions", None),
     ("GET", "/v1/chat/completions/chatcmpl-x", None),
     ("POST", "/v1/chat/completions/chatcmpl-x/cancel", None),
     ("DELETE", "/v1/chat/completions/chatcmpl-x", None),

@@ -127,3 +127,49 @@ async def test_a_key_naming_a_job_deleted_while_running_makes_a_new_job(client: 
     r.hset(keys.job(made.job_id), mapping={"status": "in_progress", "worker": "w", "deleted": "1"})
     again = await _submit(client, model, idem=idem)
     assert again.outcome is Outcome.queued and again.job_id != made.job_id and r.get(idem) == again.job_id
+
+
+def _listing(keep: int = 10, ttl: int = 100) -> scripts.Listing:
+    return scripts.Listing(keys.owner_jobs(f"owner-{uuid.uuid4().hex[:8]}"), keep, ttl)
+
+
+async def _submit_listed(client: aioredis.Redis, model: str, listing: scripts.Listing) -> str:
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    record = {"id": job_id, "model": model, "status": "queued"}
+    queue = keys.celery_queue(model)
+    done = await scripts.submit(client, job_id, model, record, queue, "msg", 1.0, listing=listing)
+    assert done.outcome is Outcome.queued
+    return job_id
+
+
+async def test_an_owners_list_keeps_its_newest_jobs_in_order_and_expires(client: aioredis.Redis, r: redis.Redis):
+    model, listing = _model(), _listing(keep=3, ttl=100)
+    made = [await _submit_listed(client, model, listing) for _ in range(5)]
+    assert r.zrange(listing.key, 0, -1) == made[2:]  # the two oldest left it
+    assert 90 < r.ttl(listing.key) <= 100
+    assert r.hget(keys.job(made[0]), "index") == listing.key
+    # A refused submit lists nothing.
+    taken = await scripts.submit(client, made[-1], model, {"id": made[-1]}, "q", "msg", 1.0, listing=listing)
+    assert taken.outcome is Outcome.taken and r.zcard(listing.key) == 3
+
+
+async def test_a_listed_jobs_end_lengthens_the_lists_expiry_and_its_delete_unlists_it(
+    client: aioredis.Redis, r: redis.Redis
+):
+    model, listing = _model(), _listing(ttl=10)
+    closing = [Event(seq=1, event=EventKind.done)]
+    cancelled, ran, deleted = [await _submit_listed(client, model, listing) for _ in range(3)]
+    assert await scripts.cancel(client, cancelled, 500, False, closing) == "queued"
+    assert 490 < r.ttl(listing.key) <= 500  # as long as the cancelled job's record is kept
+
+    assert scripts.claim(r, ran, model, "w@list")
+    pipe = r.pipeline()
+    scripts.update_record(pipe, "w@list", ran, model, 900, {"status": "completed"}, last=True)
+    pipe.execute()
+    assert 890 < r.ttl(listing.key) <= 900
+    # A shorter expiry never shortens the list's.
+    await _submit_listed(client, model, listing)
+    assert r.ttl(listing.key) > 800
+
+    assert await scripts.cancel(client, deleted, 60, True, closing) == "queued"
+    assert r.zscore(listing.key, deleted) is None and r.zscore(listing.key, cancelled) is not None
