@@ -19,6 +19,7 @@ from chatq.core.chunks import never_ran
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import celery_priority, task_fields, task_message
+from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Outcome
 from chatq.core.settings import Settings
@@ -44,6 +45,7 @@ class JobStore:
         self.celery = celery
         self.settings = settings
         self._detached: set[asyncio.Task[None]] = set()
+        self.replicas = ReplicaWait.of(settings)
 
     async def submit(
         self,
@@ -69,9 +71,7 @@ class JobStore:
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
         fields = self._record(job, owner) | task_fields(queue, message, now)
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
-        done = await scripts.submit(
-            self.redis, job.id, model, fields, queue, message, score, self.settings.max_queued, idem
-        )
+        done = await self._submit(job.id, model, fields, queue, message, score, idem)
         if done.outcome is Outcome.existing:
             return Submission(await self.get(done.job_id, owner), None, created=False)
         if done.outcome is Outcome.full:
@@ -79,6 +79,19 @@ class JobStore:
         if done.outcome is Outcome.taken or done.rank is None:
             raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
         return Submission(job, done.rank + 1, created=True)
+
+    async def _submit(
+        self, job_id: str, model: str, fields: dict[str, str], queue: str, message: str, score: float, idem: str | None
+    ) -> scripts.Submitted:
+        """scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
+        that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
+        args = (job_id, model, fields, queue, message, score, self.settings.max_queued, idem)
+        if (wait := self.replicas.command()) is None:
+            return await scripts.submit(self.redis, *args)
+        async with self.redis.client() as pinned:
+            done = await scripts.submit(pinned, *args)
+            self.replicas.acknowledged(await pinned.execute_command(*wait))
+        return done
 
     @staticmethod
     def _record(job: Job, owner: str) -> dict[str, str]:
