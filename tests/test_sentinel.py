@@ -16,14 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from pydantic import SecretStr
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from chatq.core import keys
 from chatq.core.redis_url import sync_client
 from chatq.core.settings import Settings
 from chatq.embedded_redis import free_port, redis_server_binary
 from tests.helpers import frames, running_stack, wait_for
 from tests.test_faults import LONG, Reading, resume
+from tests.test_redis_security import FLOWER_AUTH, flower
 
 MASTER = "chatq"
 PASSWORD = "s3nt1nel-master"
@@ -133,11 +136,19 @@ def sentinel_cluster(tmp: Path) -> Iterator[Cluster]:
         cluster.stop()
 
 
-def test_a_sentinel_url_reaches_the_master_and_keeps_the_sentinels_password_out_of_sight(tmp_path: Path) -> None:
+def test_a_sentinel_url_reaches_the_master_for_chatq_and_for_flower(tmp_path: Path) -> None:
     with sentinel_cluster(tmp_path) as cluster:
         client = sync_client(cluster.url, decode_responses=True)
         client.set("probe", "1")
         assert cluster.client(cluster.ports[0]).get("probe") == "1"  # written on the master, not the replica
+        settings = Settings(redis_url=cluster.url, flower_port=free_port(), flower_auth=SecretStr(FLOWER_AUTH))
+        queue = keys.celery_queue(settings.model_name)
+        client.rpush(queue, "a message no worker takes")
+        with flower(settings, tmp_path / "flower.log") as base:  # Flower reads queue lengths from the master itself
+            lengths = httpx.get(f"{base}/api/queues/length", auth=tuple(FLOWER_AUTH.split(":")), timeout=30)
+            assert lengths.status_code == 200, lengths.text
+            assert {"name": queue, "messages": 1} in lengths.json()["active_queues"]
+        assert SENTINEL_PASSWORD not in (tmp_path / "flower.log").read_text()
         wrong = cluster.url.replace(SENTINEL_PASSWORD, "not-it")
         with pytest.raises(redis.ConnectionError):  # no sentinel answers: no master is found
             sync_client(wrong, retry=Retry(NoBackoff(), 0)).ping()
