@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,7 +98,7 @@ class Cluster:
                 proc.wait(timeout=10)
 
 
-def until(check, timeout: float, what: str) -> None:  # noqa: ANN001
+def until(check: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(redis.RedisError, AssertionError):
@@ -208,7 +208,7 @@ def test_jobs_queued_and_running_survive_the_master_being_killed(tmp_path: Path)
             until(lambda: job or errors, 120, "the stream never started")
             ids = [http.post("/v1/chat/completions", json=BACKGROUND).json()["id"] for _ in range(6)]
             queued = [j for j in ids if http.get(f"/v1/chat/completions/{j}").json()["status"] == "queued"]
-            assert len(queued) >= 4  # some never reached the worker before the master went
+            assert len(queued) >= 2  # some have not reached the worker when the master goes
 
             cluster.kill_master()
             until(lambda: cluster.master_port() == cluster.ports[1], 60, "the sentinels never promoted the replica")
