@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import redis
-import redis.asyncio as aioredis
 
 from chatq.api.jobs import JobStore
 from chatq.cli import api_command, worker_command
@@ -26,6 +25,7 @@ from chatq.core import keys
 from chatq.core.delta import Delta
 from chatq.core.model_info import ModelInfo
 from chatq.core.queue import make_celery
+from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
 from chatq.worker.parse import Message, Parser
 
@@ -273,7 +273,7 @@ def cancel_job(settings: Settings, job_id: str, delete: bool = False) -> None:
     """The API's cancel (or delete) of a job, without HTTP."""
 
     async def cancel() -> None:
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        client = async_client(settings.redis_url, decode_responses=True)
         try:
             await JobStore(client, make_celery(settings), settings).cancel(job_id, delete)
         finally:

@@ -20,21 +20,23 @@ from chatq.api.relay import Relay
 from chatq.api.routes import PLAYGROUND, Service, open_router, router
 from chatq.core import collector, logs, telemetry
 from chatq.core.queue import make_celery
+from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
 
 
 def redis_client(settings: Settings) -> aioredis.Redis:
     # Many requests may wait on Redis at once (submits, each new stream's log read): the pool grows with them
     # rather than queueing them behind a small cap.
-    pool = aioredis.BlockingConnectionPool.from_url(
+    return async_client(
         settings.redis_url,
+        blocking=True,
         decode_responses=True,
         max_connections=10_000,
         timeout=None,
-        # A command whose connection failed is sent again on a new one: after Redis restarts, every pooled one is stale.
+        # A command whose connection failed is sent again on a new one: after Redis restarts, every pooled one is
+        # stale (after a failover, each new one asks the sentinels for the new master).
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
     )
-    return aioredis.Redis(connection_pool=pool)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -22,6 +22,7 @@ from chatq.core.chunks import never_ran
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import celery_priority, task_fields, task_message
+from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
@@ -70,6 +71,7 @@ class JobStore:
         self.celery = celery
         self.settings = settings
         self._detached: set[asyncio.Task[None]] = set()
+        self.replicas = ReplicaWait.of(settings)
 
     async def submit(
         self,
@@ -104,9 +106,7 @@ class JobStore:
         fields = self._record(job, owner) | task_fields(queue, message, now)
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         listing = Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
-        done = await scripts.submit(
-            self.redis, job.id, model, fields, queue, message, score, self.settings.max_queued, idem, listing
-        )
+        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing)
         if done.outcome is Outcome.existing:
             return Submission(await self.get(done.job_id, owner), None, created=False)
         if done.outcome is Outcome.full:
@@ -117,6 +117,27 @@ class JobStore:
         # The job's one line in the API's log: what ties a request to the worker's lines about its job.
         log.info("job %s queued for %s at position %d", job.id, model, done.rank + 1)
         return Submission(job, done.rank + 1, created=True)
+
+    async def _submit(
+        self,
+        job_id: str,
+        model: str,
+        fields: dict[str, str],
+        queue: str,
+        message: str,
+        score: float,
+        idem: str | None,
+        listing: Listing,
+    ) -> scripts.Submitted:
+        """scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
+        that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
+        args = (job_id, model, fields, queue, message, score, self.settings.max_queued, idem, listing)
+        if (wait := self.replicas.command()) is None:
+            return await scripts.submit(self.redis, *args)
+        async with self.redis.client() as pinned:
+            done = await scripts.submit(pinned, *args)
+            self.replicas.acknowledged(await pinned.execute_command(*wait))
+        return done
 
     @staticmethod
     def _record(job: Job, owner: str) -> dict[str, str]:

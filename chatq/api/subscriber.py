@@ -2,7 +2,8 @@
 one read brings in the messages of many streams.
 
 Spoken to directly: hiredis parses every reply of a socket read in one call, where redis-py's PubSub costs much
-more CPU per message. The connection is redis-py's URL, parsed by it.
+more CPU per message. The connection is redis-py's URL, parsed by it; with a Sentinel URL, each connection goes to
+the master the sentinels name at that moment.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import hiredis
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
 
-from chatq.core.redis_url import ssl_context
+from chatq.core.redis_url import async_sentinel, sentinel_url, ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ class Subscriber:
     reconnects (subscribing everything wanted again) whenever the connection breaks."""
 
     def __init__(self, url: str, on_message: Callable[[str, str], None]):
-        self.options: dict[str, Any] = dict(parse_url(url))
+        where = sentinel_url(url)
+        self.options: dict[str, Any] = dict(parse_url(url)) if where is None else where.login
+        self._master = None if where is None else (async_sentinel(where), where.master)
         self.on_message = on_message
         # Redis confirms SUBSCRIBEs in the order they were sent, so each confirmation runs the oldest callback
         # waiting on its channel.
@@ -65,7 +69,8 @@ class Subscriber:
         else:
             # rediss://: verified as redis-py verifies the pool's connections (the URL's ssl_* parameters).
             tls = ssl_context(o) if o.get("connection_class") is aioredis.SSLConnection else None
-            reader, writer = await asyncio.open_connection(o.get("host", "localhost"), o.get("port", 6379), ssl=tls)
+            host, port = await self._address()
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls)
             sock = writer.get_extra_info("socket")
             if sock is not None:  # a peer that vanished without a reset is noticed
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -82,12 +87,19 @@ class Subscriber:
                 raise reply
         return reader, writer
 
+    async def _address(self) -> tuple[str, int]:
+        if self._master is None:
+            return self.options.get("host", "localhost"), self.options.get("port", 6379)
+        sentinel, name = self._master
+        host, port = await sentinel.discover_master(name)
+        return host, int(port)
+
     async def _run(self) -> None:
         warned_at = -WARN_INTERVAL
         while self._wanted:
             try:
                 reader, writer = await self._connect()
-            except (OSError, hiredis.ReplyError) as e:
+            except (OSError, hiredis.ReplyError, redis.RedisError) as e:  # RedisError: no sentinel names a master
                 if (now := time.monotonic()) - warned_at >= WARN_INTERVAL:
                     warned_at = now
                     log.warning("pub/sub connection failed (%s); retrying every 0.5 s", e)

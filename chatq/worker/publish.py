@@ -21,6 +21,8 @@ import redis
 
 from chatq.core import keys, scripts
 from chatq.core.job import Event, JobStatus
+from chatq.core.redis_url import sync_client
+from chatq.core.replicas import ReplicaWait
 from chatq.core.retry import Retry, transient
 from chatq.core.settings import Settings
 
@@ -57,12 +59,13 @@ class Written:
 
 class Publisher:
     def __init__(self, client: redis.Redis, settings: Settings, worker: str):
-        self.redis = client
+        self.redis = step_client(settings, client)
         self.ttl = settings.result_ttl
         self.model = settings.model_name
         self.worker = worker
         self.cancels = keys.cancels(worker)
         self._refused: set[str] = set()  # event logs already reported as unwritable
+        self.replicas = ReplicaWait.of(settings)
 
     def flush(self, writes: StepWrites) -> Written:
         """Sends one step's writes."""
@@ -99,6 +102,9 @@ class Publisher:
         for error in errors:
             if transient(error):
                 raise error  # the whole step is sent again: what already landed is skipped or written the same
+        if (wait := self.replicas.command()) is not None and (writes.events or writes.progress or writes.ended):
+            # A master lost before its replica had the step: this fails, and the step goes again to the new one.
+            self.replicas.acknowledged(self.redis.execute_command(*wait))
         if errors:
             log.error("Redis refused part of a step for good: %s", "; ".join(map(str, errors)))
         lost = self._note_refused(results[0]) if writes.events and isinstance(results[0], list) else set()
@@ -119,6 +125,14 @@ class Publisher:
             log.error("event logs holding another type of value: their jobs' events are published only: %s", refused)
         self._refused |= refused
         return {_text(k).removeprefix(keys.job("")) for k in reply[1]}
+
+
+def step_client(settings: Settings, shared: redis.Redis) -> redis.Redis:
+    """The client a Publisher writes through: the worker's shared one, or, with replicas to wait for, one of a single
+    connection of its own, on which each WAIT follows the step it waits for."""
+    if not settings.wait_replicas:
+        return shared
+    return sync_client(settings.redis_url, blocking=True, max_connections=1, timeout=None, decode_responses=True)
 
 
 def _text(value: str | bytes) -> str:

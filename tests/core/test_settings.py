@@ -68,7 +68,7 @@ def test_every_setting_is_documented_with_its_default():
         variable = f"`CHATQ_{name.upper()}`"
         rows = [line for line in table if variable in line.split("|")[1]]
         assert rows, f"{variable} is missing from docs/configuration.md"
-        if field.default_factory is None and not isinstance(field.default, Path):
+        if field.default_factory is None and field.default is not None and not isinstance(field.default, Path):
             default = field.default.get_secret_value() if hasattr(field.default, "get_secret_value") else field.default
             default = int(default) if isinstance(default, float) and default.is_integer() else default
             assert (f"`{default}`" if default != "" else "empty") in rows[0].split("|")[2], variable
