@@ -334,19 +334,27 @@ def publish_events(pipe: Pipeline, worker: str, events: Iterable[tuple[str, Even
     pipe.eval(_PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
 
-# KEYS: job, events, the model's running set. ARGV: the writing worker, job id, ttl in seconds, "1" for the job's
-# last write ("0": progress), then field/value pairs. Returns 0 when the job is not the worker's to write (any more).
+# KEYS: job, events, the model's running set, its metrics hash. ARGV: the writing worker, job id, ttl in seconds, "1"
+# for the job's last write ("0": progress), the number of metric increments, those (field, amount) pairs, then the
+# record's field/value pairs. Returns 0 when the job is not the worker's to write (any more).
 _UPDATE_RECORD = """
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem')
 if not h[1] or h[1] == 'queued' or (h[2] and h[2] ~= ARGV[1]) then return 0 end
 local last = ARGV[4] == '1'
-if last then redis.call('SREM', KEYS[3], ARGV[2]) end
+local fields = 6 + 2 * tonumber(ARGV[5])
+if last then
+  redis.call('SREM', KEYS[3], ARGV[2])
+  -- Counted once: a last write sent again (its reply lost) finds the job ended.
+  if h[1] == 'in_progress' then
+    for i = 6, fields - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1]) end
+  end
+end
 if h[3] then
   if last then redis.call('DEL', KEYS[1], KEYS[2]) end
   return 1
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, fields))
 if last then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   if h[4] then redis.call('EXPIRE', h[4], ARGV[3]) end
@@ -363,16 +371,19 @@ def update_record(
     ttl: int,
     fields: Mapping[str, str | bytes | int],
     last: bool,
+    metrics: Mapping[str, float] | None = None,
 ) -> None:
-    """Writes the worker's fields into the job's record; the last write starts its expiry and takes the job off the
-    model's running set.
+    """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
+    model's running set and adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics).
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
-    log at the last write. A job another worker took over is left to it.
+    log at the last write. A job another worker took over is left to it, and counted by it.
     """
-    job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model))
-    pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, worker, job_id, ttl, int(last), *_flat(fields))
+    job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model), keys.metrics(model))
+    added = [x for name, amount in (metrics or {}).items() for x in (name, repr(float(amount)))]
+    args = (worker, job_id, ttl, int(last), len(added) // 2, *added, *_flat(fields))
+    pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, *args)
 
 
 def _flat(fields: Mapping[str, str | bytes | int]) -> list[str | bytes | int]:

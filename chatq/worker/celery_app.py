@@ -26,6 +26,7 @@ from chatq.core.queue import GENERATE_TASK, make_celery
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
+from chatq.worker.timing import JobClock
 
 if TYPE_CHECKING:
     from chatq.worker.runner import Runner
@@ -57,11 +58,13 @@ _heartbeat_stop = threading.Event()
 @signals.worker_init.connect
 def _load(sender=None, **_kwargs) -> None:
     global _state
+    from chatq.worker import metrics
     from chatq.worker.build import build_runner
 
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
+    metrics.serve(runner, settings)  # before the model loads, so a scraper sees the worker start
     runner.start()
     _state = WorkerState(client, runner, name)
 
@@ -170,7 +173,7 @@ def generate(self, job_id: str) -> str:
         return JobStatus.failed.value
     # A log means an earlier attempt (a worker that died or handed the job back): this one goes on from it.
     earlier = _read_log(_state.redis, job_id) or None
-    run = _state.runner.submit(job, earlier)
+    run = _state.runner.submit(job, earlier, JobClock.from_record(record, resumed=earlier is not None))
     run.done.wait()
     return run.status.value if run.status else "handed over"
 
