@@ -62,6 +62,7 @@ def _env(settings: Settings) -> dict[str, str]:
         CHATQ_API_KEYS=settings.api_keys.get_secret_value(),
         CHATQ_MAX_QUEUED=str(settings.max_queued),
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
+        CHATQ_WORKER_METRICS_PORT=str(settings.worker_metrics_port),
         PYTHONUNBUFFERED="1",
     )
     return env
