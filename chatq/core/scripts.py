@@ -125,7 +125,7 @@ def claim(
 
 
 # KEYS: job, events, live, the model's live-worker registry, running set, waiting zset, kombu's unacked hash and
-# index. ARGV: job id, the holder it
+# index, the model's metrics hash (a job failed here counts as ended with an error). ARGV: job id, the holder it
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
 # result ttl, the error event's data and the record's error (should the job have run out of attempts), then the
 # queued job's task fields.
@@ -162,6 +162,7 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   end
   redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[11], 'finished', ARGV[3])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
+  redis.call('HINCRBYFLOAT', KEYS[9], 'success:error', 1)
   return 'failed'
 end
 redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 12))
@@ -195,6 +196,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     reclaimed by someone else, its holder alive again). One script, so two sweepers never requeue a job twice."""
     job_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id), keys.workers(model)]
     job_keys += [keys.running(model), keys.waiting(model), keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
+    job_keys += [keys.metrics(model)]
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
     task = _flat(task_fields(how.queue, how.message, how.queued_at or time.time()))
@@ -230,17 +232,20 @@ def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, age: float
     return bool(client.eval(_REDELIVER, len(job_keys), *job_keys, tag, time.time(), age))
 
 
-# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued
-# job's closing events in pairs (entry id, message). The prefixes are completed from the record, which Redis Cluster
-# forbids.
+# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), keys.metrics(""),
+# then a queued job's closing events in pairs (entry id, message). The prefixes are completed from the record, which
+# Redis Cluster forbids. A queued job cancelled counts in its model's metrics as ended by an abort (as in vLLM).
 _CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
   local model = redis.call('HGET', KEYS[1], 'model')
-  if model then redis.call('ZREM', ARGV[5] .. model, ARGV[2]) end
-  for i = 6, #ARGV, 2 do
+  if model then
+    redis.call('ZREM', ARGV[5] .. model, ARGV[2])
+    redis.call('HINCRBYFLOAT', ARGV[6] .. model, 'success:abort', 1)
+  end
+  for i = 7, #ARGV, 2 do
     redis.pcall('XADD', KEYS[2], ARGV[i], 'msg', ARGV[i + 1])
     redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
@@ -278,7 +283,7 @@ async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, cl
     """
     script = client.register_script(_CANCEL)
     closing_args = [x for e in closing for x in (f"0-{e.seq}", e.to_json())]
-    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *closing_args]
+    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), keys.metrics(""), *closing_args]
     return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
 
 
