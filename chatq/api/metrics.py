@@ -23,6 +23,8 @@ from chatq.core import metrics as m
 
 LABELS = ["model_name"]
 UNMATCHED = "unmatched"  # the route label of a path no route has: the paths themselves would be unbounded
+# Methods by name; any other a client makes up is "other", for the same reason.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 router = APIRouter()
 
@@ -55,8 +57,9 @@ class HTTPMetrics:
             raise
 
     def _count(self, scope: Scope, status: int) -> None:
-        route = scope.get("route")
-        self.requests.labels(scope["method"], getattr(route, "path", UNMATCHED), str(status)).inc()
+        method = scope["method"] if scope["method"] in METHODS else "other"
+        route = getattr(scope.get("route"), "path", UNMATCHED)
+        self.requests.labels(method, route, str(status)).inc()
 
 
 def http_counter(registry: CollectorRegistry) -> Counter:

@@ -155,7 +155,11 @@ class JobRun:
         prompt = 0 if isinstance(self.error, BadRequest) else len(self.job.prompt_ids)
         reason = {JobStatus.failed: "error", JobStatus.cancelled: "abort"}.get(end.status)
         reason = reason or next((c.finish_reason for c in self.choices if c.finish_reason), None) or "stop"
-        return self.clock.facts(now, prompt, end.completion_tokens, reason).increments()
+        try:
+            return self.clock.facts(now, prompt, end.completion_tokens, reason).increments()
+        except Exception:  # the job's end must still go out with the step's other writes, uncounted
+            log.exception("job %s: its metrics could not be made", self.job.id)
+            return {}
 
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1
