@@ -16,7 +16,7 @@ from pydantic import SecretStr
 from chatq.api.app import create_app
 from chatq.core import keys
 from chatq.core.settings import Settings
-from tests.helpers import frames, wait_for
+from tests.helpers import frames, quiesce, wait_for
 
 LONG = [{"role": "user", "content": "Count from 1 to 200, one number per line."}]
 HISTOGRAMS = (
@@ -62,7 +62,10 @@ def streamed_usage(http: httpx.Client, max_tokens: int) -> tuple[dict, str]:
     return chunks[-1]["usage"], reasons[0]
 
 
-def test_finished_jobs_add_their_usage_times_and_finish_once_each(http: httpx.Client, model_name: str):
+def test_finished_jobs_add_their_usage_times_and_finish_once_each(
+    http: httpx.Client, r: redis.Redis, settings: Settings, model_name: str
+):
+    quiesce(r, settings)
     before = scrape(http.get)
     streamed, streamed_reason = streamed_usage(http, 9)
     job = http.post("/v1/chat/completions", json={"messages": LONG, "max_tokens": 6, "background": True})
@@ -115,13 +118,14 @@ def test_histograms_are_cumulative_and_end_with_their_count(http: httpx.Client, 
 
 
 def test_a_running_job_shows_in_the_gauge_and_a_cancelled_one_as_abort(
-    http: httpx.Client, r: redis.Redis, model_name: str
+    http: httpx.Client, r: redis.Redis, settings: Settings, model_name: str
 ):
+    quiesce(r, settings)
     job = http.post("/v1/chat/completions", json={"messages": LONG, "max_tokens": 2000, "background": True}).json()
     wait_for(http, job["id"], lambda j: j["status"] == "in_progress")
     during = scrape(http.get)
-    assert value(during, "chatq:num_requests_running", model_name=model_name) >= 1
-    assert value(during, "chatq:num_requests_waiting", model_name=model_name) >= 0
+    assert value(during, "chatq:num_requests_running", model_name=model_name) == 1
+    assert value(during, "chatq:num_requests_waiting", model_name=model_name) == 0
     assert http.post(f"/v1/chat/completions/{job['id']}/cancel").json()["status"] == "cancelled"
     deadline = time.time() + 30
     while r.sismember(keys.running(model_name), job["id"]):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatq.core.settings import Settings
+from tests.helpers import quiesce
 
 # A prompt longer than a cache block past the chat template's own, so its second run finds blocks to share.
 PROMPT = [{"role": "user", "content": "Describe, in a few words, a lighthouse on a rocky shore at night. " * 3}]
@@ -23,7 +25,10 @@ def scrape(settings: Settings) -> dict[str, float]:
     return samples
 
 
-def test_the_worker_reports_its_engines_steps_tokens_cache_and_prefix_hits(http: httpx.Client, settings: Settings):
+def test_the_worker_reports_its_engines_steps_tokens_cache_and_prefix_hits(
+    http: httpx.Client, r: redis.Redis, settings: Settings
+):
+    quiesce(r, settings)
     before = scrape(settings)
     usages = []
     for _ in range(2):
