@@ -13,7 +13,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -63,6 +63,8 @@ class HTTPMetrics:
 
 
 def http_counter(registry: CollectorRegistry) -> Counter:
+    # No `_created` series beside each counter: Prometheus' text format reads them as series of their own.
+    disable_created_metrics()
     return Counter(
         m.PREFIX + "http_requests",
         "HTTP requests this API process answered, by method, route and status.",

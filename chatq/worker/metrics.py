@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -76,6 +76,7 @@ def serve(runner: Runner, settings: Settings) -> int:
     port = settings.worker_metrics_port
     if not port:
         return 0
+    disable_created_metrics()  # as on the API
     registry = CollectorRegistry()
     registry.register(EngineCollector(runner, settings.model_name))
     step = Histogram(
