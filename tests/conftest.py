@@ -33,7 +33,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 @pytest.fixture(scope="session")
 def settings(redis_server: EmbeddedRedis) -> Settings:
     # Keep-alives four times a second: the streaming tests then read streams with keep-alives among their events.
-    return Settings(redis_url=redis_server.url, api_port=free_port(), worker_concurrency=32, sse_keepalive=0.25)
+    # The worker serves its metrics (tests/worker/test_metrics.py).
+    return Settings(
+        redis_url=redis_server.url,
+        api_port=free_port(),
+        worker_concurrency=32,
+        sse_keepalive=0.25,
+        worker_metrics_port=free_port(),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from chatq.api.jobs import JobStore
 from chatq.cli import api_command, worker_command
 from chatq.core import keys
 from chatq.core.delta import Delta
+from chatq.core.errors import JobNotFound
 from chatq.core.model_info import ModelInfo
 from chatq.core.queue import make_celery
 from chatq.core.redis_url import async_client
@@ -96,6 +97,7 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_MAX_QUEUED=str(settings.max_queued),
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
         CHATQ_LOG_FORMAT=settings.log_format,
+        CHATQ_WORKER_METRICS_PORT=str(settings.worker_metrics_port),
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -280,6 +282,19 @@ def cancel_job(settings: Settings, job_id: str, delete: bool = False) -> None:
             await client.aclose()
 
     asyncio.run(cancel())
+
+
+def quiesce(r: redis.Redis, settings: Settings, timeout: float = 60) -> None:
+    """Cancels the model's queued and running jobs (left by earlier tests: background jobs outlive their test) and
+    waits until none is left, so what a test counts next is its own jobs' doing."""
+    model = settings.model_name
+    for job_id in {*r.zrange(keys.waiting(model), 0, -1), *r.smembers(keys.running(model))}:
+        with contextlib.suppress(JobNotFound):  # it ended meanwhile, and expired
+            cancel_job(settings, job_id)
+    deadline = time.time() + timeout
+    while r.zcard(keys.waiting(model)) or r.scard(keys.running(model)):
+        assert time.time() < deadline, "the model's jobs did not end"
+        time.sleep(0.05)
 
 
 def assert_error(resp: httpx.Response, status: int, type_: str, param: str | None) -> dict:

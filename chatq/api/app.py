@@ -9,10 +9,11 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import errors
+from chatq.api import errors, metrics
 from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
@@ -57,9 +58,14 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="chatq", lifespan=lifespan)
     app.state.service = service
     app.state.keys = api_keys
+    # The app's own registry, not the global one: each app counts its own requests (tests build several).
+    app.state.metrics_registry = registry = CollectorRegistry()
+    app.add_middleware(metrics.HTTPMetrics, requests=metrics.http_counter(registry))
     app.include_router(router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
+    # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.
+    app.include_router(metrics.router)
     errors.install(app)
     return app
 

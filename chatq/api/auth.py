@@ -1,4 +1,5 @@
-"""API keys: who a request is, as a FastAPI dependency of every route but /health, /version and the playground page.
+"""API keys: who a request is, as a FastAPI dependency of every route but /health, /version, /metrics and the
+playground page.
 
 A request names its key as the openai SDK sends it, `Authorization: Bearer <key>`. Its owner, stored in the records
 of the jobs it creates, is the key's SHA-256 in hex: Redis never holds a key, and a job is shown only to the owner

@@ -103,7 +103,8 @@ class JobStore:
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
         score = lane * 1e11 + now
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
-        fields = self._record(job, owner) | task_fields(queue, message, now)
+        # `submitted`: where the job's latency metrics start (chatq.core.metrics); `created` has whole seconds.
+        fields = self._record(job, owner) | task_fields(queue, message, now) | {"submitted": repr(now)}
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         listing = Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         done = await self._submit(job.id, model, fields, queue, message, score, idem, listing)

@@ -12,6 +12,7 @@ Layout (documented in docs/redis.md):
   chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
   chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
   chatq:owner:{owner}:jobs  zset   that owner's newest job ids, scored by submit time, for the jobs list
+  chatq:metrics:{model}     hash   finished jobs' metrics: histogram bucket counters, sums, token and finish counts
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
   unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
 """
@@ -57,6 +58,10 @@ def workers(model: str) -> str:
 
 def running(model: str) -> str:
     return f"{PREFIX}:running:{model}"
+
+
+def metrics(model: str) -> str:
+    return f"{PREFIX}:metrics:{model}"
 
 
 def idempotency(owner: str, key: str) -> str:

@@ -157,7 +157,7 @@ def claim(
 
 
 # KEYS: job, events, live, the model's live-worker registry, running set, waiting zset, kombu's unacked hash and
-# index. ARGV: job id, the holder it
+# index, the model's metrics hash (a job failed here counts as ended with an error). ARGV: job id, the holder it
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
 # result ttl, the error event's data and the record's error (should the job have run out of attempts), then the
 # queued job's task fields.
@@ -197,6 +197,7 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[11], 'finished', ARGV[3])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
   if h[6] then extend(h[6], ARGV[9]) end
+  redis.call('HINCRBYFLOAT', KEYS[9], 'success:error', 1)
   return 'failed'
 end
 redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 12))
@@ -231,6 +232,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     reclaimed by someone else, its holder alive again). One script, so two sweepers never requeue a job twice."""
     job_keys = [keys.job(job_id), keys.events(job_id), keys.live(job_id), keys.workers(model)]
     job_keys += [keys.running(model), keys.waiting(model), keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
+    job_keys += [keys.metrics(model)]
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
     task = _flat(task_fields(how.queue, how.message, how.queued_at or time.time()))
@@ -266,9 +268,9 @@ def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, age: float
     return bool(client.eval(_REDELIVER, len(job_keys), *job_keys, tag, time.time(), age))
 
 
-# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), then a queued
-# job's closing events in pairs (entry id, message). The prefixes are completed from the record, which Redis Cluster
-# forbids.
+# KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), keys.metrics(""),
+# then a queued job's closing events in pairs (entry id, message). The prefixes are completed from the record, which
+# Redis Cluster forbids. A queued job cancelled counts in its model's metrics as ended by an abort (as in vLLM).
 _CANCEL = (
     _EXTEND
     + """
@@ -277,8 +279,11 @@ if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil 
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled')
   local model = redis.call('HGET', KEYS[1], 'model')
-  if model then redis.call('ZREM', ARGV[5] .. model, ARGV[2]) end
-  for i = 6, #ARGV, 2 do
+  if model then
+    redis.call('ZREM', ARGV[5] .. model, ARGV[2])
+    redis.call('HINCRBYFLOAT', ARGV[6] .. model, 'success:abort', 1)
+  end
+  for i = 7, #ARGV, 2 do
     redis.pcall('XADD', KEYS[2], ARGV[i], 'msg', ARGV[i + 1])
     redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
@@ -319,7 +324,7 @@ async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, cl
     """
     script = client.register_script(_CANCEL)
     closing_args = [x for e in closing for x in (f"0-{e.seq}", e.to_json())]
-    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), *closing_args]
+    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), keys.metrics(""), *closing_args]
     return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
 
 
@@ -375,8 +380,9 @@ def publish_events(pipe: Pipeline, worker: str, events: Iterable[tuple[str, Even
     pipe.eval(_PUBLISH_EVENTS, len(event_keys), *event_keys, *args)
 
 
-# KEYS: job, events, the model's running set. ARGV: the writing worker, job id, ttl in seconds, "1" for the job's
-# last write ("0": progress), then field/value pairs. Returns 0 when the job is not the worker's to write (any more).
+# KEYS: job, events, the model's running set, its metrics hash. ARGV: the writing worker, job id, ttl in seconds, "1"
+# for the job's last write ("0": progress), the number of metric increments, those (field, amount) pairs, then the
+# record's field/value pairs. Returns 0 when the job is not the worker's to write (any more).
 _UPDATE_RECORD = (
     _EXTEND
     + """
@@ -384,12 +390,19 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem', 'index')
 if not h[1] or h[1] == 'queued' or (h[2] and h[2] ~= ARGV[1]) then return 0 end
 local last = ARGV[4] == '1'
-if last then redis.call('SREM', KEYS[3], ARGV[2]) end
+local fields = 6 + 2 * tonumber(ARGV[5])
+if last then
+  redis.call('SREM', KEYS[3], ARGV[2])
+  -- Counted once: a last write sent again (its reply lost) finds the job ended.
+  if h[1] == 'in_progress' then
+    for i = 6, fields - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1]) end
+  end
+end
 if h[3] then
   if last then redis.call('DEL', KEYS[1], KEYS[2]) end
   return 1
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, fields))
 if last then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   if h[4] then redis.call('EXPIRE', h[4], ARGV[3]) end
@@ -408,16 +421,19 @@ def update_record(
     ttl: int,
     fields: Mapping[str, str | bytes | int],
     last: bool,
+    metrics: Mapping[str, float] | None = None,
 ) -> None:
-    """Writes the worker's fields into the job's record; the last write starts its expiry and takes the job off the
-    model's running set.
+    """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
+    model's running set and adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics).
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
-    log at the last write. A job another worker took over is left to it.
+    log at the last write. A job another worker took over is left to it, and counted by it.
     """
-    job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model))
-    pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, worker, job_id, ttl, int(last), *_flat(fields))
+    job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model), keys.metrics(model))
+    added = [x for name, amount in (metrics or {}).items() for x in (name, repr(float(amount)))]
+    args = (worker, job_id, ttl, int(last), len(added) // 2, *added, *_flat(fields))
+    pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, *args)
 
 
 def _flat(fields: Mapping[str, str | bytes | int]) -> list[str | bytes | int]:

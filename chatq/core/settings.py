@@ -18,6 +18,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
 Port = Annotated[int, Field(ge=1, le=65535)]
+PortOrNone = Annotated[int, Field(ge=0, le=65535)]  # 0: none
 
 
 class Settings(BaseSettings):
@@ -51,8 +52,6 @@ class Settings(BaseSettings):
 
     # Jobs one worker process runs at once (Celery threads feeding one batched engine).
     worker_concurrency: Positive = 64
-    # Port of the worker's Prometheus /metrics (0: none).
-    worker_metrics_port: NonNegative = 0
     # A worker that has not refreshed its registry entry for this long counts as dead.
     worker_ttl: Positive = 15
     # A step longer than this means the engine hung (a driver, a deadlock), so the worker stops its heartbeat.
@@ -61,6 +60,8 @@ class Settings(BaseSettings):
     # Attempts a job gets: a worker that dies while running it (killed, out of memory, its host lost) costs one, and
     # the job continues on another worker until this many are spent; then it fails.
     max_attempts: Positive = 3
+    # Port of the worker's Prometheus /metrics (0: none).
+    worker_metrics_port: PortOrNone = 0
     # Seconds a stopping worker (SIGTERM) lets its running jobs finish before it hands the rest to other workers.
     stop_grace: Annotated[float, Field(ge=0)] = 30.0
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.

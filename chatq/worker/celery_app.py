@@ -27,6 +27,7 @@ from chatq.core.redis_url import sync_client
 from chatq.core.settings import Settings
 from chatq.worker.publish import JobEnd, Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
+from chatq.worker.timing import JobClock
 from chatq.worker.tracing import JobTrace, attempt
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def _log_format(logger: logging.Logger, **_kwargs) -> None:
 @signals.worker_init.connect
 def _load(sender=None, **_kwargs) -> None:
     global _state
+    from chatq.worker import metrics
     from chatq.worker.build import build_runner
 
     telemetry.setup("chatq-worker")
@@ -84,6 +86,7 @@ def _load(sender=None, **_kwargs) -> None:
     client = sync_client(settings.redis_url, decode_responses=True)
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
+    metrics.serve(runner, settings)  # before the model loads, so a scraper sees the worker start
     runner.start()
     entry = registry.entry(runner.model)
     registry.register(client, entry)
@@ -208,7 +211,7 @@ def _run(state: WorkerState, job_id: str, record: dict[str, str], spans: JobTrac
         return JobStatus.failed.value
     # A log means an earlier attempt (a worker that died or handed the job back): this one goes on from it.
     earlier = _read_log(state.redis, job_id) or None
-    run = state.runner.submit(job, earlier)
+    run = state.runner.submit(job, earlier, JobClock.from_record(record, resumed=earlier is not None))
     run.done.wait()
     spans.finish(run)
     return run.status.value if run.status else "handed over"

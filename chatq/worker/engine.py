@@ -63,6 +63,20 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+@dataclass
+class EngineStats:
+    """Running totals the engine keeps for the worker's metrics, updated once per step; read from another thread
+    (whole ints, so a reader sees each one before or after a step's update)."""
+
+    steps: int = 0
+    batch_size: int = 0  # sequences in the last step's forward pass
+    prefill_tokens: int = 0  # tokens prefilled: prompts, and preempted sequences recomputed (cache hits not)
+    generation_tokens: int = 0  # tokens sampled
+    preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_hits: int = 0  # of those, tokens found cached
+
+
 def _rank(seq: Sequence) -> tuple[int, int]:
     return seq.priority, seq.arrival
 
@@ -118,6 +132,7 @@ class Engine:
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
         self.wakeup = threading.Event()
+        self.stats = EngineStats()
 
     # --- public surface --------------------------------------------------------------------------------
 
@@ -177,6 +192,9 @@ class Engine:
         for seq, n in scheduled:
             seq.num_cached += n
             self.blocks.register(seq)
+        self.stats.steps += 1
+        self.stats.batch_size = len(scheduled)
+        self.stats.generation_tokens += len(emitting)
         if emitting:
             outputs.extend(self._sample(emitting, logits))
 
@@ -233,6 +251,7 @@ class Engine:
         self.blocks.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.stats.preemptions += 1
         self.running.remove(seq)
         self._release(seq)
         # Back in its old place, ahead of later arrivals: queued behind them, a preempted sequence could starve under
@@ -279,12 +298,15 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
+            self.stats.prefix_queries += len(seq)
+            self.stats.prefix_hits += seq.num_cached
             self.blocks.grow(seq, seq.num_cached + n)
             # In (priority, arrival) order: steps schedule from the front and preemption takes from the back, so the
             # most urgent run first and the least urgent, newest gives way first.
             bisect.insort(self.running, seq, key=_rank)
             prefills.append((seq, n))
             budget -= n
+        self.stats.prefill_tokens += self.prefill_chunk - budget
         return decodes + prefills
 
     def _slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:

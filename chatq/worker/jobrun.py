@@ -26,6 +26,7 @@ from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarState
 from chatq.worker.parse import Message, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
+from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,8 @@ class JobRun:
         self.eos_ids = frozenset(model.eos_token_ids)
         self.continuous_usage = False
         self.resumed = False
+        self.clock = JobClock.starting()  # the runner's submit gives it the claimed record's
         self.choices: list[Choice] = []
-        # When the engine took the job in and gave its first token (time.time_ns()), for the job's spans.
-        self.started_ns: int | None = None
-        self.first_token_ns: int | None = None
         # The job's fields on the lines the engine loop logs about it (chatq.core.logs): those of the task thread
         # that submits it.
         self.log_extra = logs.current() or logs.job_extra(job.id)
@@ -152,6 +151,18 @@ class JobRun:
         completion = sum(len(c.seq.output_ids) for c in choices)
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
         return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
+
+    def metrics(self, end: JobEnd, now: float) -> dict[str, float]:
+        """What the ended job adds to its model's metrics: its times, its usage's token counts, how it finished."""
+        # A request refused here never generated: its usage counts nothing.
+        prompt = 0 if isinstance(self.error, BadRequest) else len(self.job.prompt_ids)
+        reason = {JobStatus.failed: "error", JobStatus.cancelled: "abort"}.get(end.status)
+        reason = reason or next((c.finish_reason for c in self.choices if c.finish_reason), None) or "stop"
+        try:
+            return self.clock.facts(now, prompt, end.completion_tokens, reason).increments()
+        except Exception:  # the job's end must still go out with the step's other writes, uncounted
+            log.exception("job %s: its metrics could not be made", self.job.id)
+            return {}
 
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1

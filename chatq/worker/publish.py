@@ -36,6 +36,7 @@ class JobEnd:
     completion_tokens: int
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # what it adds to its model's metrics (JobFacts)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            self._update(pipe, end.job_id, fields, last=True)
+            self._update(pipe, end.job_id, fields, last=True, metrics=end.metrics)
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
@@ -115,8 +116,10 @@ class Publisher:
         cancelled = set() if isinstance(cancels, Exception) else {_text(c) for c in cancels}
         return Written(cancelled, lost)
 
-    def _update(self, pipe: redis.client.Pipeline, job_id: str, fields: dict, last: bool) -> None:
-        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last)
+    def _update(
+        self, pipe: redis.client.Pipeline, job_id: str, fields: dict, last: bool, metrics: dict | None = None
+    ) -> None:
+        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics)
 
     def _note_refused(self, reply: list) -> set[str]:
         """Logs the event logs newly found unwritable; the ids of the jobs this worker lost."""

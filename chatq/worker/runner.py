@@ -20,6 +20,7 @@ from chatq.worker.engine import Engine, Output
 from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.jobrun import Choice, Decoder, JobRun
 from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
+from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Runner:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="chatq-engine", daemon=True)
         self.stepping_since: float | None = None  # time.monotonic() when the engine step under way began
+        self.on_step: Callable[[float], None] | None = None  # given each step's seconds (the worker's metrics)
 
     def start(self) -> None:
         """Starts the engine thread and returns once the model is loaded in it."""
@@ -77,9 +79,12 @@ class Runner:
         if self.outbox is not None:
             self.outbox.close()
 
-    def submit(self, job: Job, log: list[Event] | None = None) -> JobRun:
-        """Runs the job; with the log of an earlier attempt, from where that log stops."""
+    def submit(self, job: Job, log: list[Event] | None = None, clock: JobClock | None = None) -> JobRun:
+        """Runs the job; with the log of an earlier attempt, from where that log stops. `clock`: its times so far
+        (from its claimed record), for its metrics."""
         run = JobRun(job, self.model, self.decoder, settings=self.settings, compiler=self.compiler)
+        if clock is not None:
+            run.clock = clock
         if log is not None and run.choices:
             run.resume(log)
         self._new.put(run)
@@ -122,8 +127,10 @@ class Runner:
             self.engine.wakeup.wait(0.5)
             self.engine.wakeup.clear()
             return
-        for out in self._step():
-            self._handle(out, writes, touched)
+        outputs = self._step()
+        now = time.time()
+        for out in outputs:
+            self._handle(out, writes, touched, now)
         ended = self._close_or_progress(touched, writes)
 
         def written(said: Written) -> None:
@@ -153,7 +160,6 @@ class Runner:
             except queue.Empty:
                 return refused
             self.runs[run.job.id] = run
-            run.started_ns = time.time_ns()
             writes.events.extend((run.job.id, e) for e in run.start())
             for c in run.choices:
                 self.by_seq[c.seq.id] = (run, c)
@@ -183,21 +189,23 @@ class Runner:
     def _step(self) -> list[Output]:
         if not self.engine.has_work():
             return []
-        self.stepping_since = time.monotonic()
+        self.stepping_since = start = time.monotonic()
         try:
             return self.engine.step()
         finally:
             self.stepping_since = None
+            if self.on_step is not None:
+                self.on_step(time.monotonic() - start)
 
-    def _handle(self, out: Output, writes: StepWrites, touched: dict[str, JobRun]) -> None:
+    def _handle(self, out: Output, writes: StepWrites, touched: dict[str, JobRun], now: float) -> None:
         """One engine output into its job's events; a job whose handling fails ends with an error."""
         entry = self.by_seq.get(out.seq.id)
         if entry is None:  # the engine confirming a drop we asked for after the job had ended
             return
         run, choice = entry
         touched[run.job.id] = run
-        if run.first_token_ns is None and out.token is not None:
-            run.first_token_ns = time.time_ns()
+        if out.token is not None:
+            run.clock.token(choice.index, now)
         numbered = run.last_seq
         try:
             events, stop_now = run.on_output(choice, out)
@@ -220,10 +228,11 @@ class Runner:
     def _close_or_progress(self, touched: dict[str, JobRun], writes: StepWrites) -> list[JobRun]:
         """Closes the jobs whose every choice finished, notes the progress of the others; the closed ones."""
         ended = []
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         for job_id, run in touched.items():
             if run.finished:
                 events, end = run.end()
+                end.metrics = run.metrics(end, wall)
                 writes.events.extend((job_id, e) for e in events)
                 writes.ended.append(end)
                 run.status = end.status

@@ -54,10 +54,10 @@ class JobTrace:
     def finish(self, run: JobRun) -> None:
         """Ends the spans, naming what the job came to."""
         end = time.time_ns()
-        if run.started_ns is not None:
-            self._child("chatq.prefill", run.started_ns, run.first_token_ns or end)
-        if run.first_token_ns is not None:
-            self._child("chatq.decode", run.first_token_ns, end)
+        first_token = int(run.clock.first_token * NS) if run.clock.first_token is not None else None
+        self._child("chatq.prefill", max(int(run.clock.started * NS), self.claimed), first_token or end)
+        if first_token is not None:
+            self._child("chatq.decode", first_token, end)
         status = run.status.value if run.status else "handed over"
         self.span.set_attributes(
             {

@@ -21,6 +21,7 @@ from chatq.core import keys
 from chatq.core.requests import MAX_MESSAGES, MAX_TOOLS
 from chatq.core.settings import Settings
 from tests.api.conftest import Guarded
+from tests.api.test_metrics import http_delta, scrape, value
 from tests.helpers import assert_error, cancel_job, content_of, snapshot, stream, wait_for
 
 M = [{"role": "user", "content": "hi"}]
@@ -227,6 +228,7 @@ def _assert_full(guarded: Guarded, http: httpx.Client) -> None:
     model = guarded.settings.model_name
     before = snapshot(guarded.r, model)
     assert before[2] == guarded.settings.max_queued
+    scraped = scrape(http.get)
     for extra in ({"background": True}, {"stream": True}, {}):
         resp = http.post("/v1/chat/completions", json={"messages": M, "max_tokens": 2, **extra})
         assert_error(resp, 429, "RateLimitError", None)
@@ -234,3 +236,9 @@ def _assert_full(guarded: Guarded, http: httpx.Client) -> None:
     resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert_error(resp, 429, "RateLimitError", None)
     assert snapshot(guarded.r, model) == before
+    # /metrics shows the full queue, the busy task threads and the refusals.
+    assert value(scraped, "chatq:num_requests_waiting", model_name=model) == guarded.settings.max_queued
+    assert value(scraped, "chatq:num_requests_running", model_name=model) == guarded.settings.worker_concurrency
+    now = scrape(http.get)
+    assert http_delta(scraped, now, "POST", "/v1/chat/completions", 429) == 3
+    assert http_delta(scraped, now, "POST", "/v1/completions", 429) == 1

@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from chatq.core import keys, scripts
+from chatq.core import keys, metrics, scripts
 from chatq.core.job import Event, EventKind
 from chatq.core.scripts import Outcome
 from chatq.core.settings import Settings
@@ -111,6 +111,9 @@ async def test_cancel_expires_and_delete_removes_the_idempotency_key(client: aio
     cancelled = await _submit(client, model, idem=cancelled_idem)
     assert await scripts.cancel(client, cancelled.job_id, 60, False, closing) == "queued"
     assert 0 < r.ttl(cancelled_idem) <= 60
+    # A job cancelled while it waited ended as an abort, as far as /metrics tells; a second cancel changes nothing.
+    assert await scripts.cancel(client, cancelled.job_id, 60, False, closing) == "cancelled"
+    assert metrics.read(r.hgetall(keys.metrics(model))).success == {"abort": 1}
 
     deleted_idem = keys.idempotency("", f"k-{uuid.uuid4().hex}")
     deleted = await _submit(client, model, idem=deleted_idem)

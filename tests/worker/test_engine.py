@@ -91,10 +91,12 @@ def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model
     engine = Engine(model, kv_tokens=144, block_size=16, prefill_chunk=16, max_model_len=80)
     assert engine.blocks.num_blocks == 9
     preempted_after: list[int] = []  # output tokens each preempted sequence had, to be recomputed
+    preempted_lens: list[int] = []  # and its whole length, asked of the prefix cache again when readmitted
     preempt = engine._preempt
 
     def counting_preempt(seq: Sequence) -> None:
         preempted_after.append(len(seq.output_ids))
+        preempted_lens.append(len(seq))
         preempt(seq)
 
     monkeypatch.setattr(engine, "_preempt", counting_preempt)
@@ -116,6 +118,14 @@ def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model
     assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
     assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
     assert engine.blocks.available() == engine.blocks.num_blocks
+    # What the worker's metrics read: every preemption, each token sampled once (a recomputed one is not sampled
+    # again), the prefix cache's hits among the tokens it was asked for.
+    stats = engine.stats
+    assert stats.preemptions == len(preempted_after)
+    assert stats.generation_tokens == NEW * len(prompts)
+    assert stats.prefix_hits == engine.blocks.hits
+    assert stats.prefix_queries == sum(map(len, prompts)) + sum(preempted_lens)
+    assert stats.prefill_tokens <= stats.prefix_queries - stats.prefix_hits
 
 
 def test_the_least_urgent_sequence_gives_way_when_the_cache_runs_short(model, prompts):

@@ -315,3 +315,20 @@ def test_a_log_that_refuses_events_costs_only_its_own_job(settings):
     live = [listener.get_message(timeout=5) for _ in range(2)]
     assert sorted(m["channel"] for m in live) == sorted([keys.live(broken), keys.live(fine)])
     assert r.xlen(keys.events(fine)) == 1 and r.type(keys.events(broken)) == "string"
+
+
+def test_an_ended_jobs_metrics_are_added_once_and_only_by_its_holder(settings):
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    model = "publish-metrics-model"
+    r.delete(keys.metrics(model))
+    mine, lost = "chatcmpl-metrics-mine", "chatcmpl-metrics-lost"
+    for job_id, worker in ((mine, "w@a"), (lost, "w@b")):
+        r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+        assert scripts.claim(r, job_id, model, worker)
+    pub = publisher(settings.model_copy(update={"model_name": model}), "w@a")
+    added = {"generation_tokens": 5, "success:length": 1, "e2e:sum": 0.25}
+    ends = [JobEnd(job_id, JobStatus.completed, 5, metrics=added) for job_id in (mine, lost)]
+    # The same step sent again, as after a reply lost on its way back: the job ended already and counts once.
+    assert pub.flush(StepWrites(ended=ends)).lost == {lost}
+    assert pub.flush(StepWrites(ended=ends[:1])).lost == set()
+    assert {k: float(v) for k, v in r.hgetall(keys.metrics(model)).items()} == added

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from chatq.api.jobs import JobStore
-from chatq.core import keys, scripts
+from chatq.core import keys, metrics, scripts
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import make_celery, task_fields, task_message
 from chatq.core.requests import ChatCompletionRequest
@@ -100,6 +100,8 @@ def test_a_job_out_of_attempts_fails_after_its_log_instead(r, model_settings):
     assert record["status"] == "failed" and json.loads(record["error"]) == error
     assert 0 < r.ttl(keys.job(job_id)) <= settings.result_ttl
     assert queued_tasks(r, settings) == 1  # only the first requeue's task
+    # It ended with an error as far as /metrics tells, once.
+    assert metrics.read(r.hgetall(keys.metrics(settings.model_name))).success == {"error": 1}
 
 
 def test_a_stopping_worker_hands_back_only_its_own_jobs_and_no_attempt_is_counted(r, model_settings):

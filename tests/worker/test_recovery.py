@@ -13,7 +13,7 @@ import pytest
 
 from bench import soak
 from chatq.cli import api_command
-from chatq.core import keys
+from chatq.core import keys, metrics
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
 from tests.helpers import Cluster, Frame, frames
@@ -96,7 +96,15 @@ def finished_by(cluster: Cluster, job_id: str) -> str:
     return cluster.r.hget(keys.job(job_id), "worker").split("@")[0]
 
 
+def counted(cluster: Cluster) -> tuple[float, float, float]:
+    """Of the model's metrics: jobs with an end-to-end time, jobs with a time to first token, tokens generated."""
+    reading = metrics.read(cluster.r.hgetall(keys.metrics(cluster.settings.model_name)))
+    e2e, ttft = (reading.histograms[h.name].buckets[-1][1] for h in (metrics.E2E, metrics.TTFT))
+    return e2e, ttft, reading.generation_tokens
+
+
 def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat(cluster, http):
+    before = counted(cluster)
     expected = answer(http, 120)
     fs, killed = stream_signalling(cluster, http, body(120, stream=True), 20, signal.SIGKILL)
     assert_whole(fs)
@@ -104,6 +112,8 @@ def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat
     job_id = fs[0].json["id"]
     assert http.get(f"/v1/chat/completions/{job_id}").json()["choices"][0]["message"]["content"] == expected
     assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    # Counted once, by the worker that ended it; its first token went out from the killed one, uncounted.
+    assert [a - b for a, b in zip(counted(cluster), before, strict=True)] == [2, 1, 240]
     # The dead worker's Celery message went with the reclaim: nothing is left to be delivered again hours later.
     deadline = time.time() + 10
     while cluster.r.hlen(keys.KOMBU_UNACKED):
