@@ -154,9 +154,14 @@ def _settings(max_examples: int, steps: int = 10, derandomize: bool = False) -> 
     )
 
 
+# Only the links with_links adds: links schemathesis infers (a model card's `id` to GET /v1/models/{model}) would
+# take the stateful sequences' steps from the job routes.
+CONFIG = schemathesis.config.SchemathesisConfig.from_dict({"phases": {"stateful": {"inference": {"algorithms": []}}}})
+
+
 def load_schema(base_url: str) -> schemathesis.BaseSchema:
     raw = httpx.get(f"{base_url}/openapi.json", timeout=10).json()
-    return schemathesis.openapi.from_dict(with_links(raw))
+    return schemathesis.openapi.from_dict(with_links(raw), config=CONFIG)
 
 
 def fuzz_operations(schema: schemathesis.BaseSchema, caller: Caller, per_operation: int, fixed: bool) -> None:
