@@ -72,3 +72,8 @@ def test_every_setting_is_documented_with_its_default():
             default = field.default.get_secret_value() if hasattr(field.default, "get_secret_value") else field.default
             default = int(default) if isinstance(default, float) and default.is_integer() else default
             assert (f"`{default}`" if default != "" else "empty") in rows[0].split("|")[2], variable
+
+
+def test_the_operations_guide_names_every_setting():
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    assert [n for n in Settings.model_fields if f"`CHATQ_{n.upper()}`" not in guide] == []
