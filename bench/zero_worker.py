@@ -24,6 +24,7 @@ from celery import signals
 
 from bench.common import NOOP_TASK, STATS_KEY
 from bench.zero_engine import ZeroEngine
+from chatq.core import registry
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker import celery_app as product
@@ -132,4 +133,6 @@ def _load_zero(sender: object = None, **_kwargs: object) -> None:
     runner = build_zero_runner(product.settings, client, name, stats)
     runner.start()
     threading.Thread(target=stats.report_forever, args=(client,), name="bench-stats", daemon=True).start()
-    product._state = product.WorkerState(client, runner, name)
+    entry = registry.entry(runner.model)
+    registry.register(client, entry)  # as the product's worker does, so the API serves its model
+    product._state = product.WorkerState(client, runner, name, entry)

@@ -38,10 +38,13 @@ class Histogram:
     help: str
     buckets: tuple[float, ...]
 
-    def bucket_field(self, value: float) -> str:
-        """The hash field of the bucket `value` falls in: the first bound it does not exceed."""
-        i = bisect.bisect_left(self.buckets, value)
-        return f"{self.field}:le:{_bound(self.buckets[i]) if i < len(self.buckets) else INF}"
+    def bucket(self, value: float) -> int:
+        """The index of the bucket `value` falls in: its first bound not exceeded, len(buckets) for +Inf."""
+        return bisect.bisect_left(self.buckets, value)
+
+    def bucket_field(self, index: int) -> str:
+        """The hash field of bucket `index`."""
+        return f"{self.field}:le:{_bound(self.buckets[index]) if index < len(self.buckets) else INF}"
 
 
 QUEUE_TIME = Histogram(
@@ -78,17 +81,16 @@ def _bound(b: float) -> str:
 
 class Tally:
     """Observations of one histogram, counted by bucket before they go to Redis: a job's many inter-token gaps
-    become a few increments."""
+    become a few increments. Counted by bucket index, and named only at the end: `add` runs for every token."""
 
     def __init__(self, histogram: Histogram):
         self.histogram = histogram
-        self.counts: dict[str, int] = {}
+        self.counts = [0] * (len(histogram.buckets) + 1)
         self.sum = 0.0
         self.count = 0
 
     def add(self, value: float) -> None:
-        where = self.histogram.bucket_field(value)
-        self.counts[where] = self.counts.get(where, 0) + 1
+        self.counts[self.histogram.bucket(value)] += 1
         self.sum += value
         self.count += 1
 
@@ -96,7 +98,8 @@ class Tally:
         if not self.count:
             return {}
         f = self.histogram.field
-        return {**self.counts, f"{f}:sum": self.sum, f"{f}:count": self.count}
+        counted = {self.histogram.bucket_field(i): n for i, n in enumerate(self.counts) if n}
+        return {**counted, f"{f}:sum": self.sum, f"{f}:count": self.count}
 
 
 @dataclass
