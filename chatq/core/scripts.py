@@ -350,8 +350,8 @@ async def cancel(
     """
     script = client.register_script(_CANCEL)
     closing_args = [x for e in closing for x in (f"0-{e.seq}", e.to_json())]
-    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), keys.metrics(""), webhook]
-    args += closing_args
+    args: list[str | bytes | int] = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting("")]
+    args += [keys.metrics(""), webhook, *closing_args]
     return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
 
 
