@@ -75,6 +75,7 @@ def deliver(self: Task, url: str, event_id: str, job_id: str, created_at: int, e
     except httpx.TransportError as e:
         return _again(self, event_id, url, f"{type(e).__name__}: {e}", created_at)
     if 200 <= status < 300:
+        log.info("webhook %s (%s of %s) delivered to %s", event_id, event["type"], job_id, url)
         return "delivered"
     if retried(status):
         return _again(self, event_id, url, f"HTTP {status}", created_at)
