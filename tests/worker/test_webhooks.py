@@ -114,7 +114,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def hooked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     receiver = Receiver()
     timeout = 1.0
     receiving = serve(receiver, timeout)
@@ -160,97 +160,97 @@ def wait_healthy(client: httpx.Client, cluster: Cluster) -> None:
     ("path", "type_"),
     [("/v1/chat/completions", "chat.completion.completed"), ("/v1/completions", "text_completion.completed")],
 )
-def test_a_background_job_sends_one_verified_event_again_after_a_5xx(stack: Stack, path: str, type_: str) -> None:
+def test_a_background_job_sends_one_verified_event_again_after_a_5xx(hooked: Stack, path: str, type_: str) -> None:
     job_id = f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
-    stack.receiver.plans[job_id] = [500, 200]
-    assert stack.submit(path, request_id=job_id.split("-", 1)[1]) == job_id
-    got = stack.receiver.wait(job_id)
+    hooked.receiver.plans[job_id] = [500, 200]
+    assert hooked.submit(path, request_id=job_id.split("-", 1)[1]) == job_id
+    got = hooked.receiver.wait(job_id)
     time.sleep(1.5)  # longer than the backoff: a delivery answered 200 is not sent again
-    got = stack.receiver.of(job_id)
+    got = hooked.receiver.of(job_id)
     assert [d.answered for d in got] == [500, 200]
     assert {d.type for d in got} == {type_} and len({d.webhook_id for d in got}) == 1
     assert got[0].webhook_id.startswith("evt_")
-    assert not stack.receiver.unverified
+    assert not hooked.receiver.unverified
 
 
-def test_a_slow_receiver_is_timed_out_and_sent_the_same_event_again(stack: Stack) -> None:
+def test_a_slow_receiver_is_timed_out_and_sent_the_same_event_again(hooked: Stack) -> None:
     job_id = "chatcmpl-" + uuid.uuid4().hex
-    stack.receiver.plans[job_id] = ["slow", 200]
-    stack.submit(request_id=job_id.removeprefix("chatcmpl-"))
-    got = stack.receiver.wait(job_id)
+    hooked.receiver.plans[job_id] = ["slow", 200]
+    hooked.submit(request_id=job_id.removeprefix("chatcmpl-"))
+    got = hooked.receiver.wait(job_id)
     assert [d.answered for d in got] == ["slow", 200] and len({d.webhook_id for d in got}) == 1
 
 
-def test_a_4xx_is_not_sent_again_but_429_is(stack: Stack) -> None:
+def test_a_4xx_is_not_sent_again_but_429_is(hooked: Stack) -> None:
     refused, limited = "chatcmpl-" + uuid.uuid4().hex, "chatcmpl-" + uuid.uuid4().hex
-    stack.receiver.plans[refused] = [400]
-    stack.receiver.plans[limited] = [429, 200]
+    hooked.receiver.plans[refused] = [400]
+    hooked.receiver.plans[limited] = [429, 200]
     for job_id in (refused, limited):
-        stack.submit(request_id=job_id.removeprefix("chatcmpl-"))
-    stack.receiver.wait(limited)
+        hooked.submit(request_id=job_id.removeprefix("chatcmpl-"))
+    hooked.receiver.wait(limited)
     deadline = time.time() + 30
-    while not stack.receiver.of(refused):
+    while not hooked.receiver.of(refused):
         assert time.time() < deadline
         time.sleep(0.05)
     time.sleep(2)  # several backoffs
-    assert [d.answered for d in stack.receiver.of(refused)] == [400]
+    assert [d.answered for d in hooked.receiver.of(refused)] == [400]
 
 
-def test_an_interactive_job_sends_no_webhook(stack: Stack) -> None:
-    interactive = stack.submit(background=False)
-    after = stack.submit()  # delivered once the interactive one's, had it sent any, would have been
-    stack.receiver.wait(after)
+def test_an_interactive_job_sends_no_webhook(hooked: Stack) -> None:
+    interactive = hooked.submit(background=False)
+    after = hooked.submit()  # delivered once the interactive one's, had it sent any, would have been
+    hooked.receiver.wait(after)
     time.sleep(0.5)
-    assert stack.receiver.of(interactive) == []
+    assert hooked.receiver.of(interactive) == []
 
 
-def test_a_queued_job_cancelled_sends_its_cancelled_event(stack: Stack) -> None:
-    worker = next(iter(stack.cluster.models))
-    stack.cluster.signal(worker, signal.SIGSTOP)  # nothing claims the job meanwhile
+def test_a_queued_job_cancelled_sends_its_cancelled_event(hooked: Stack) -> None:
+    worker = next(iter(hooked.cluster.models))
+    hooked.cluster.signal(worker, signal.SIGSTOP)  # nothing claims the job meanwhile
     try:
-        job_id = stack.submit()
-        resp = stack.http.post(f"/v1/chat/completions/{job_id}/cancel")
+        job_id = hooked.submit()
+        resp = hooked.http.post(f"/v1/chat/completions/{job_id}/cancel")
         assert resp.status_code == 200 and resp.json()["status"] == "cancelled", resp.text
     finally:
-        stack.cluster.signal(worker, signal.SIGCONT)
-    got = stack.receiver.wait(job_id)
+        hooked.cluster.signal(worker, signal.SIGCONT)
+    got = hooked.receiver.wait(job_id)
     assert [d.type for d in got] == ["chat.completion.cancelled"]
 
 
-def test_a_delivery_pending_when_the_webhook_worker_is_killed_is_made_by_its_successor(stack: Stack) -> None:
+def test_a_delivery_pending_when_the_webhook_worker_is_killed_is_made_by_its_successor(hooked: Stack) -> None:
     job_id = "chatcmpl-" + uuid.uuid4().hex
-    stack.receiver.plans[job_id] = [503]
-    stack.submit(request_id=job_id.removeprefix("chatcmpl-"))
+    hooked.receiver.plans[job_id] = [503]
+    hooked.submit(request_id=job_id.removeprefix("chatcmpl-"))
     deadline = time.time() + 60
-    while not stack.receiver.of(job_id):
-        assert time.time() < deadline, stack.cluster.tail("webhooks")
+    while not hooked.receiver.of(job_id):
+        assert time.time() < deadline, hooked.cluster.tail("webhooks")
         time.sleep(0.05)
-    stack.cluster.signal("webhooks", signal.SIGKILL)
-    stack.cluster.procs["webhooks"].wait(timeout=10)
-    stack.receiver.plans[job_id] = [200]
-    failed = len(stack.receiver.of(job_id))
-    stack.start_webhooks()
-    got = stack.receiver.wait(job_id, timeout=90)
+    hooked.cluster.signal("webhooks", signal.SIGKILL)
+    hooked.cluster.procs["webhooks"].wait(timeout=10)
+    hooked.receiver.plans[job_id] = [200]
+    failed = len(hooked.receiver.of(job_id))
+    hooked.start_webhooks()
+    got = hooked.receiver.wait(job_id, timeout=90)
     assert all(d.answered == 503 for d in got[:failed]) and got[-1].answered == 200
     assert len({d.webhook_id for d in got}) == 1
 
 
-def test_an_undelivered_event_outlives_a_redis_restart(stack: Stack) -> None:
-    stack.cluster.signal("webhooks", signal.SIGTERM)
-    stack.cluster.procs["webhooks"].wait(timeout=30)
-    job_id = stack.submit()
-    r = redis.Redis.from_url(stack.cluster.settings.redis_url, retry=Retry(NoBackoff(), 0))
+def test_an_undelivered_event_outlives_a_redis_restart(hooked: Stack) -> None:
+    hooked.cluster.signal("webhooks", signal.SIGTERM)
+    hooked.cluster.procs["webhooks"].wait(timeout=30)
+    job_id = hooked.submit()
+    r = redis.Redis.from_url(hooked.cluster.settings.redis_url, retry=Retry(NoBackoff(), 0))
     deadline = time.time() + 60
     while not r.llen(keys.webhook_queue()):
         assert time.time() < deadline, "the job's end pushed no webhook"
         time.sleep(0.05)
     with contextlib.suppress(redis.ConnectionError):
         r.shutdown()  # Redis writes its AOF and exits
-    assert stack.server.proc is not None and stack.server.proc.wait(timeout=20) == 0
-    port = stack.server.port
-    stack.server = EmbeddedRedis(stack.server.data_dir, port=port, persist=True).start()
-    stack.start_webhooks()
-    got = stack.receiver.wait(job_id, timeout=60)
+    assert hooked.server.proc is not None and hooked.server.proc.wait(timeout=20) == 0
+    port = hooked.server.port
+    hooked.server = EmbeddedRedis(hooked.server.data_dir, port=port, persist=True).start()
+    hooked.start_webhooks()
+    got = hooked.receiver.wait(job_id, timeout=60)
     assert [d.type for d in got] == ["chat.completion.completed"]
 
 
