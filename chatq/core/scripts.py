@@ -32,7 +32,8 @@ end
 
 # Pushes a background job's webhook messages (chatq.core.webhooks.Outbox.block, "" for none) onto the webhook queue,
 # in the script that ends the job, so no end is lost between it and its webhook. The job's kind and its status
-# complete each message; a job whose request is not a background one sends none.
+# complete each message; a job whose request is not a background one sends none. The queue is named in the block,
+# not in KEYS, which Redis Cluster forbids (as the cancel script's completed prefixes).
 _WEBHOOK = """
 local function webhook(block, job, status)
   if block == '' then return end
