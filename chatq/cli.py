@@ -1,4 +1,4 @@
-"""`chatq`: start the pieces (api, worker, flower, or all of them with `up`) and talk to a running API.
+"""`chatq`: start the pieces (api, worker, flower, webhooks, or all of them with `up`) and talk to a running API.
 
 The worker's heavy imports happen in its own process, so this module stays light for the API and the client.
 """
@@ -53,6 +53,28 @@ def worker_command(settings: Settings) -> list[str]:
         keys.celery_queue(settings.model_name),
         "-n",
         f"{settings.model_name}@%h-{os.getpid()}",
+        "--without-mingle",
+        "--without-gossip",
+        "--loglevel",
+        "INFO",
+    )
+
+
+def webhooks_command(settings: Settings) -> list[str]:
+    """The webhook worker: Celery threads delivering background jobs' events, with no model loaded."""
+    return _celery(
+        "-A",
+        "chatq.worker.webhooks",
+        *_quiet(settings),
+        "worker",
+        "-P",
+        "threads",
+        "-c",
+        str(settings.webhook_concurrency),
+        "-Q",
+        keys.webhook_queue(),
+        "-n",
+        f"webhooks@%h-{os.getpid()}",
         "--without-mingle",
         "--without-gossip",
         "--loglevel",
@@ -145,6 +167,8 @@ def up(settings: Settings, with_flower: bool = True) -> int:
         prepare_model(settings)
         services["worker"] = subprocess.Popen(worker_command(settings), env=env)
         services["api"] = subprocess.Popen(api_command(settings), env=env)
+        if settings.webhook_url_list:
+            services["webhooks"] = subprocess.Popen(webhooks_command(settings), env=env)
         if with_flower:
             services["flower"] = subprocess.Popen(flower_command(settings), env=flower_env(settings, env))
         print(
@@ -265,12 +289,13 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chatq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start Redis (unless CHATQ_REDIS_URL is set), a worker, the API and Flower").add_argument(
-        "--no-flower", action="store_true"
-    )
+    sub.add_parser(
+        "up", help="start Redis (unless CHATQ_REDIS_URL is set), a worker, the API, Flower and any webhook worker"
+    ).add_argument("--no-flower", action="store_true")
     sub.add_parser("api", help="start the HTTP API")
     sub.add_parser("worker", help="start a Celery worker holding the model")
     sub.add_parser("flower", help="start Flower")
+    sub.add_parser("webhooks", help="start the worker that delivers background jobs' webhooks")
     sub.add_parser("prepare", help="convert the default model into the cache (once per machine)")
     p_chat = sub.add_parser("chat", help="stream an answer from a running API")
     p_chat.add_argument("prompt")
@@ -313,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     if not settings.redis_url:
         parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")
-    command = {"api": api_command, "worker": worker_command, "flower": flower_command}[args.command](settings)
+    commands = {"api": api_command, "worker": worker_command, "flower": flower_command, "webhooks": webhooks_command}
+    command = commands[args.command](settings)
     os.execve(command[0], command, flower_env(settings, os.environ) if args.command == "flower" else os.environ)
     return 0
 

@@ -20,7 +20,7 @@ import httpx
 import redis
 
 from chatq.api.jobs import JobStore
-from chatq.cli import api_command, worker_command
+from chatq.cli import api_command, webhooks_command, worker_command
 from chatq.core import keys
 from chatq.core.delta import Delta
 from chatq.core.errors import JobNotFound
@@ -100,15 +100,31 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_WORKER_METRICS_PORT=str(settings.worker_metrics_port),
         PYTHONUNBUFFERED="1",
     )
+    env.update(webhook_env(settings))
     return env
+
+
+def webhook_env(settings: Settings) -> dict[str, str]:
+    """The webhook settings as variables, for every process: the API and the workers build the deliveries too."""
+    return {
+        "CHATQ_WEBHOOK_URLS": settings.webhook_urls,
+        "CHATQ_WEBHOOK_SECRET": settings.webhook_secret.get_secret_value(),
+        "CHATQ_WEBHOOK_TIMEOUT": str(settings.webhook_timeout),
+        "CHATQ_WEBHOOK_RETRY_FOR": str(settings.webhook_retry_for),
+        "CHATQ_WEBHOOK_BACKOFF": str(settings.webhook_backoff),
+        "CHATQ_WEBHOOK_BACKOFF_MAX": str(settings.webhook_backoff_max),
+    }
 
 
 @contextlib.contextmanager
 def running_stack(settings: Settings, logs: Path, env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """A worker and an API on `settings`' Redis, `env` added to their environment; the API's base URL once it is
-    healthy."""
+    """A worker and an API (and, with webhook URLs, the webhook worker) on `settings`' Redis, `env` added to their
+    environment; the API's base URL once it is healthy."""
     procs = []
-    for name, command in (("worker", worker_command(settings)), ("api", api_command(settings))):
+    commands = [("worker", worker_command(settings)), ("api", api_command(settings))]
+    if settings.webhook_url_list:
+        commands.append(("webhooks", webhooks_command(settings)))
+    for name, command in commands:
         out = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (closed with the process below)
         procs.append(
             (subprocess.Popen(command, env=_env(settings, env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out)

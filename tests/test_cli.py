@@ -120,7 +120,7 @@ class Redis:
 embedded.EmbeddedRedis = Redis
 cli.prepare_model = lambda settings: None
 cli.worker_command = lambda settings: ["bash", "-c", worker_script, str(out)]
-cli.api_command = cli.flower_command = lambda settings: ["bash", "-c", other_script, str(out)]
+cli.api_command = cli.flower_command = cli.webhooks_command = lambda settings: ["bash", "-c", other_script, str(out)]
 sys.exit(cli.up(cli.Settings(redis_url="")))
 """
 # Ignores Ctrl-C and SIGTERM, as a worker finishing its jobs does.
@@ -188,6 +188,17 @@ def test_up_gives_flower_its_login_and_no_other_service(tmp_path: Path) -> None:
     try:
         _wait_for_pids(tmp_path, up, 3)
         assert sorted((tmp_path / "logins").read_text().split()) == ["login=", "login=ops:pw"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=30)
+
+
+def test_up_starts_the_webhook_worker_only_with_webhook_urls(tmp_path: Path) -> None:
+    pid = "echo $$ >> $0/pids; exec sleep 600"
+    secret = "whsec_c2VjcmV0"
+    up = fake_up(tmp_path, "exec sleep 600", pid, pid, CHATQ_WEBHOOK_URLS="http://h/x", CHATQ_WEBHOOK_SECRET=secret)
+    try:
+        assert len(_wait_for_pids(tmp_path, up, 4)) == 4  # the worker, the API, Flower, the webhook worker
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=30)

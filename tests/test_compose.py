@@ -231,6 +231,15 @@ def _chatq_commands() -> Iterator[str]:
                 yield from re.findall(r"\bchatq\s+(\w+)", rest)
 
 
+def test_the_webhooks_profile_adds_the_webhook_worker_and_every_ender_gets_the_webhook_settings(settings_of):
+    env = {"CHATQ_WEBHOOK_URLS": "https://example.test/hooks", "CHATQ_WEBHOOK_SECRET": "whsec_c2VjcmV0"}
+    running = services("webhooks", env)
+    assert role(running["webhooks"]) == "webhooks" and running["webhooks"]["build"]["target"] == "api"
+    assert "webhooks" not in services()
+    for name in ("api", "worker", "webhooks"):
+        assert settings_of(running[name]).webhook_url_list == ["https://example.test/hooks"], name
+
+
 def test_the_cli_has_every_command_compose_and_the_dockerfile_run():
     named = set(_chatq_commands())
     assert {"api", "worker", "flower"} <= named

@@ -26,6 +26,7 @@ from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
+from chatq.core.webhooks import Outbox as WebhookOutbox
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class JobStore:
         self.settings = settings
         self._detached: set[asyncio.Task[None]] = set()
         self.replicas = ReplicaWait.of(settings)
+        self.webhooks = WebhookOutbox.of(settings)
 
     async def submit(
         self,
@@ -178,7 +180,10 @@ class JobStore:
                 chunks = never_ran(Job.from_redis(h), opened=logged > 0)[0]
         events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, logged + 1)]
         events.append(Event(seq=logged + len(events) + 1, event=EventKind.done))
-        if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events) is None:
+        # Sent only if the script finds the job queued (a running one's worker sends its own at its end); built
+        # whatever the status read above, which a reclaim may have turned back to queued since.
+        webhook = self.webhooks.block(job_id) if self.webhooks is not None and not delete else ""
+        if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events, webhook) is None:
             raise JobNotFound(job_id)
 
     async def _last_logged(self, job_id: str) -> int:

@@ -15,6 +15,8 @@ Layout (documented in docs/redis.md):
   chatq:metrics:{model}     hash   finished jobs' metrics: histogram bucket counters, sums, token and finish counts
   chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
   unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
+  chatq.webhooks            list   Celery's queue of webhook deliveries, pushed by a job's last write
+  chatq:webhooks:unacked, chatq:webhooks:unacked_index, chatq:webhooks:unacked_mutex  the same for the webhook worker
 """
 
 from __future__ import annotations
@@ -77,6 +79,16 @@ def owner_jobs(owner: str) -> str:
 
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
+
+
+def webhook_queue() -> str:
+    return f"{PREFIX}.webhooks"
+
+
+def webhook_unacked(name: str) -> str:
+    """kombu's bookkeeping of the webhook worker's unacknowledged deliveries ("unacked", "unacked_index",
+    "unacked_mutex"), apart from the generation workers': its short visibility timeout must not redeliver their jobs."""
+    return f"{PREFIX}:webhooks:{name}"
 
 
 # kombu's Redis transport keeps each delivered, unacknowledged message here (by delivery tag) until its ack.

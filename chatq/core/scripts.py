@@ -30,6 +30,23 @@ local function extend(key, ttl)
 end
 """
 
+# Pushes a background job's webhook messages (chatq.core.webhooks.Outbox.block, "" for none) onto the webhook queue,
+# in the script that ends the job, so no end is lost between it and its webhook. The job's kind and its status
+# complete each message; a job whose request is not a background one sends none. The queue is named in the block,
+# not in KEYS, which Redis Cluster forbids (as the cancel script's completed prefixes).
+_WEBHOOK = """
+local function webhook(block, job, status)
+  if block == '' then return end
+  local h = redis.call('HMGET', job, 'kind', 'request')
+  local kind = h[1] or 'chat'
+  local ok, request = pcall(cjson.decode, h[2] or '')
+  if not ok or type(request) ~= 'table' or request.background ~= true then return end
+  if not string.match(kind, '^[%w_]+$') or not string.match(status, '^[%w_]+$') then return end
+  local w = cjson.decode(block)
+  for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. kind .. '.' .. status .. m[2]) end
+end
+"""
+
 # KEYS: job, waiting zset, Celery queue list, idempotency key, the owner's jobs list. ARGV: job id, score, task
 # message, the cap on waiting jobs (0: none), keys.job(""), "1" when the request has an idempotency key, "1" when the
 # job is listed, the list's length kept, its expiry, now, then the record's field/value pairs. Returns
@@ -159,10 +176,11 @@ def claim(
 # KEYS: job, events, live, the model's live-worker registry, running set, waiting zset, kombu's unacked hash and
 # index, the model's metrics hash (a job failed here counts as ended with an error). ARGV: job id, the holder it
 # is taken from, now, worker ttl ("0": the holder hands it back itself), max attempts, score, queue, task message,
-# result ttl, the error event's data and the record's error (should the job have run out of attempts), then the
-# queued job's task fields.
+# result ttl, the error event's data and the record's error (should the job have run out of attempts), the webhook
+# block (sent should it fail here), then the queued job's task fields.
 _RECLAIM = (
     _EXTEND
+    + _WEBHOOK
     + """
 local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery', 'index')
 if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
@@ -198,9 +216,10 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
   if h[6] then extend(h[6], ARGV[9]) end
   redis.call('HINCRBYFLOAT', KEYS[9], 'success:error', 1)
+  webhook(ARGV[12], KEYS[1], 'failed')
   return 'failed'
 end
-redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 12))
+redis.call('HSET', KEYS[1], 'status', 'queued', unpack(ARGV, 13))
 redis.call('HDEL', KEYS[1], 'worker')
 redis.call('PERSIST', KEYS[2])
 redis.call('ZADD', KEYS[6], ARGV[6], ARGV[1])
@@ -223,6 +242,7 @@ class Requeue:
     # When the task counts as sent, for the sweep that sends a lost one again (scripts.redeliver); a stopping
     # worker's hand-back dates it a worker TTL back, as the stopping worker's own pending read may take it.
     queued_at: float = 0.0
+    webhook: str = ""  # the webhooks its failure sends (chatq.core.webhooks.Outbox.block)
 
 
 def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_ttl: float, how: Requeue) -> str | None:
@@ -236,7 +256,8 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
     args = (job_id, holder, time.time(), worker_ttl, how.max_attempts, how.score, how.queue, how.message)
     errors = (orjson.dumps(how.error), orjson.dumps(how.error["error"]))
     task = _flat(task_fields(how.queue, how.message, how.queued_at or time.time()))
-    return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, how.result_ttl, *errors, *task)  # type: ignore[return-value]
+    tail = (how.result_ttl, *errors, how.webhook, *task)
+    return client.eval(_RECLAIM, len(job_keys), *job_keys, *args, *tail)  # type: ignore[return-value]
 
 
 # KEYS: job, its task's queue list, kombu's unacked hash and index. ARGV: the task's delivery tag as read, now, the
@@ -269,10 +290,12 @@ def redeliver(client: redis.Redis, job_id: str, queue: str, tag: str, age: float
 
 
 # KEYS: job, events, live. ARGV: ttl, job id, keys.cancels(""), "1" to delete, keys.waiting(""), keys.metrics(""),
-# then a queued job's closing events in pairs (entry id, message). The prefixes are completed from the record, which
+# the webhook block (a queued job cancelled, not deleted, sends it), then a queued job's closing events in pairs
+# (entry id, message). The prefixes are completed from the record, which
 # Redis Cluster forbids. A queued job cancelled counts in its model's metrics as ended by an abort (as in vLLM).
 _CANCEL = (
     _EXTEND
+    + _WEBHOOK
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return nil end
@@ -283,7 +306,7 @@ if status == 'queued' then
     redis.call('ZREM', ARGV[5] .. model, ARGV[2])
     redis.call('HINCRBYFLOAT', ARGV[6] .. model, 'success:abort', 1)
   end
-  for i = 7, #ARGV, 2 do
+  for i = 8, #ARGV, 2 do
     redis.pcall('XADD', KEYS[2], ARGV[i], 'msg', ARGV[i + 1])
     redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
   end
@@ -291,6 +314,7 @@ if status == 'queued' then
   local idem, index = unpack(redis.call('HMGET', KEYS[1], 'idem', 'index'))
   if idem then redis.call('EXPIRE', idem, ARGV[1]) end
   if index then extend(index, ARGV[1]) end
+  if ARGV[4] ~= '1' then webhook(ARGV[7], KEYS[1], 'cancelled') end
 elseif status == 'in_progress' then
   local worker = redis.call('HGET', KEYS[1], 'worker')
   if not worker then return redis.error_reply('ERR running job ' .. ARGV[2] .. ' names no worker') end
@@ -314,17 +338,21 @@ return status
 )
 
 
-async def cancel(client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event]) -> str | None:
+async def cancel(
+    client: aioredis.Redis, job_id: str, ttl: int, delete: bool, closing: Sequence[Event], webhook: str = ""
+) -> str | None:
     """Cancels the job; the status it had, None for no such job.
 
     A queued job is cancelled here, its log closed with `closing`; a running one is flagged and added to its worker's
     cancel set, which stops it at the next step (the flag, should another worker take the job over). Deleted, a job
     is gone for readers at once; a running one's record and log stay hidden until its worker's last write removes
-    them, so a job resubmitted under its id never meets the old run's writes.
+    them, so a job resubmitted under its id never meets the old run's writes. A queued background job cancelled
+    (not deleted) sends `webhook` (chatq.core.webhooks.Outbox.block); a running one's worker sends its own.
     """
     script = client.register_script(_CANCEL)
     closing_args = [x for e in closing for x in (f"0-{e.seq}", e.to_json())]
-    args = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting(""), keys.metrics(""), *closing_args]
+    args: list[str | bytes | int] = [ttl, job_id, keys.cancels(""), "1" if delete else "0", keys.waiting("")]
+    args += [keys.metrics(""), webhook, *closing_args]
     return await script(keys=[keys.job(job_id), keys.events(job_id), keys.live(job_id)], args=args)
 
 
@@ -381,21 +409,23 @@ def publish_events(pipe: Pipeline, worker: str, events: Iterable[tuple[str, Even
 
 
 # KEYS: job, events, the model's running set, its metrics hash. ARGV: the writing worker, job id, ttl in seconds, "1"
-# for the job's last write ("0": progress), the number of metric increments, those (field, amount) pairs, then the
-# record's field/value pairs. Returns 0 when the job is not the worker's to write (any more).
+# for the job's last write ("0": progress), the webhook block (the last write sends it once), the number of metric
+# increments, those (field, amount) pairs, then the record's field/value pairs. Returns 0 when the job is not the
+# worker's to write (any more).
 _UPDATE_RECORD = (
     _EXTEND
+    + _WEBHOOK
     + """
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'deleted', 'idem', 'index')
 if not h[1] or h[1] == 'queued' or (h[2] and h[2] ~= ARGV[1]) then return 0 end
 local last = ARGV[4] == '1'
-local fields = 6 + 2 * tonumber(ARGV[5])
+local fields = 7 + 2 * tonumber(ARGV[6])
 if last then
   redis.call('SREM', KEYS[3], ARGV[2])
   -- Counted once: a last write sent again (its reply lost) finds the job ended.
   if h[1] == 'in_progress' then
-    for i = 6, fields - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1]) end
+    for i = 7, fields - 1, 2 do redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1]) end
   end
 end
 if h[3] then
@@ -404,6 +434,8 @@ if h[3] then
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, fields))
 if last then
+  -- Sent once, like the metrics; a deleted job (above) sends none.
+  if h[1] == 'in_progress' then webhook(ARGV[5], KEYS[1], redis.call('HGET', KEYS[1], 'status')) end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   if h[4] then redis.call('EXPIRE', h[4], ARGV[3]) end
   if h[5] then extend(h[5], ARGV[3]) end
@@ -422,9 +454,11 @@ def update_record(
     fields: Mapping[str, str | bytes | int],
     last: bool,
     metrics: Mapping[str, float] | None = None,
+    webhook: str = "",
 ) -> None:
     """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
-    model's running set and adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics).
+    model's running set, adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics) and, for a
+    background job, pushes its `webhook` messages (chatq.core.webhooks.Outbox.block).
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
@@ -432,7 +466,7 @@ def update_record(
     """
     job_keys = (keys.job(job_id), keys.events(job_id), keys.running(model), keys.metrics(model))
     added = [x for name, amount in (metrics or {}).items() for x in (name, repr(float(amount)))]
-    args = (worker, job_id, ttl, int(last), len(added) // 2, *added, *_flat(fields))
+    args = (worker, job_id, ttl, int(last), webhook, len(added) // 2, *added, *_flat(fields))
     pipe.eval(_UPDATE_RECORD, len(job_keys), *job_keys, *args)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from chatq.core.redis_url import sentinel_url
@@ -99,6 +101,22 @@ class Settings(BaseSettings):
     # and the job_id/trace_id/span_id of the job it concerns), for a log pipeline to index; "text": plain lines.
     log_format: Literal["text", "json"] = "text"
 
+    # Webhooks (docs/webhooks.md)
+    # Comma-separated URLs that each background job's end is POSTed to, signed (Standard Webhooks); empty: none.
+    webhook_urls: str = ""
+    # The signing secret, "whsec_" and base64, as OpenAI gives one out; needed with webhook URLs. Secret, so a
+    # printed or logged Settings never shows it.
+    webhook_secret: SecretStr = SecretStr("")
+    # Seconds a delivery waits for the receiver's answer; a slower one is a failed attempt, tried again.
+    webhook_timeout: Annotated[float, Field(gt=0)] = 10.0
+    # Seconds from an event's job end during which its failed deliveries are tried again; then it is dropped.
+    webhook_retry_for: Annotated[float, Field(ge=0)] = 86400.0
+    # Seconds before a failed delivery's first retry; each later one waits twice as long, at most the next setting.
+    webhook_backoff: Annotated[float, Field(gt=0)] = 5.0
+    webhook_backoff_max: Annotated[float, Field(gt=0)] = 300.0
+    # Deliveries the webhook worker (`chatq webhooks`) makes at once.
+    webhook_concurrency: Positive = 16
+
     @field_validator("flower_auth")
     @classmethod
     def _user_and_password(cls, auth: SecretStr) -> SecretStr:
@@ -107,6 +125,28 @@ class Settings(BaseSettings):
         if logins and not all(user and pw for user, _, pw in (a.partition(":") for a in logins.split(","))):
             raise ValueError('must be "user:password" (several: comma-separated)')
         return auth
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, secret: SecretStr) -> SecretStr:
+        value = secret.get_secret_value()
+        if not value:
+            return secret
+        # Strict, padded base64, as the official SDK decodes it when it verifies.
+        try:
+            key = base64.b64decode(value.removeprefix("whsec_"), validate=True)
+        except binascii.Error:
+            key = b""
+        if not value.startswith("whsec_") or not key:
+            raise ValueError('must be "whsec_" followed by base64')
+        return secret
+
+    @model_validator(mode="after")
+    def _webhooks_signed(self) -> Settings:
+        # Unsigned events would be refused by every receiver that verifies them: fail at start instead.
+        if self.webhook_url_list and not self.webhook_secret.get_secret_value():
+            raise ValueError("CHATQ_WEBHOOK_URLS needs CHATQ_WEBHOOK_SECRET")
+        return self
 
     @field_validator("redis_url")
     @classmethod
@@ -136,3 +176,8 @@ class Settings(BaseSettings):
     def api_key_list(self) -> list[str]:
         """The configured API keys, blanks around commas dropped."""
         return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+
+    @property
+    def webhook_url_list(self) -> list[str]:
+        """The configured webhook URLs, blanks around commas dropped."""
+        return [u.strip() for u in self.webhook_urls.split(",") if u.strip()]

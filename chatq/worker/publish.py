@@ -25,6 +25,7 @@ from chatq.core.redis_url import sync_client
 from chatq.core.replicas import ReplicaWait
 from chatq.core.retry import Retry, transient
 from chatq.core.settings import Settings
+from chatq.core.webhooks import Outbox as WebhookOutbox
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Publisher:
         self.cancels = keys.cancels(worker)
         self._refused: set[str] = set()  # event logs already reported as unwritable
         self.replicas = ReplicaWait.of(settings)
+        self.webhooks = WebhookOutbox.of(settings)
 
     def flush(self, writes: StepWrites) -> Written:
         """Sends one step's writes."""
@@ -90,7 +92,8 @@ class Publisher:
                 fields["result"] = orjson.dumps(end.result)
             if end.error is not None:
                 fields["error"] = orjson.dumps(end.error)
-            self._update(pipe, end.job_id, fields, last=True, metrics=end.metrics)
+            webhook = self.webhooks.block(end.job_id) if self.webhooks is not None else ""
+            self._update(pipe, end.job_id, fields, last=True, metrics=end.metrics, webhook=webhook)
         if writes.ended:
             pipe.srem(self.cancels, *(end.job_id for end in writes.ended))
         # One small read whatever the number of running jobs, so every step can make it: a cancel takes effect at
@@ -117,9 +120,15 @@ class Publisher:
         return Written(cancelled, lost)
 
     def _update(
-        self, pipe: redis.client.Pipeline, job_id: str, fields: dict, last: bool, metrics: dict | None = None
+        self,
+        pipe: redis.client.Pipeline,
+        job_id: str,
+        fields: dict,
+        last: bool,
+        metrics: dict | None = None,
+        webhook: str = "",
     ) -> None:
-        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics)
+        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics, webhook)
 
     def _note_refused(self, reply: list) -> set[str]:
         """Logs the event logs newly found unwritable; the ids of the jobs this worker lost."""

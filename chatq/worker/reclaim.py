@@ -14,6 +14,7 @@ from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.errors import WorkerLost
 from chatq.core.queue import task_message
 from chatq.core.settings import Settings
+from chatq.core.webhooks import Outbox as WebhookOutbox
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,11 @@ def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Sett
     # Where it arrived in its lane, as its task goes to the end workers take from next: it has waited once already.
     score = lane * 1e11 + created
     error = WorkerLost(settings.max_attempts).body()
-    return scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
+    how = scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
+    # A job that ran out of attempts fails in the reclaim's script, which sends its webhooks then.
+    if (webhooks := WebhookOutbox.of(settings)) is not None:
+        how.webhook = webhooks.block(job_id)
+    return how
 
 
 def sweep(client: redis.Redis, app: Celery, settings: Settings) -> dict[str, str]:
