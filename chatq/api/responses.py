@@ -65,6 +65,8 @@ async def _history(svc: Service, body: ResponsesRequest, owner: str) -> list[dic
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+    if body.background and not body.store:
+        raise BadRequest("A background response must be stored: background needs store true.", "store")
     model = await svc.models.get(body.model, need_worker=not body.background)
     context = await _history(svc, body, sub.owner)
     # The id is chosen here, so the input items' ids can carry it.
@@ -172,7 +174,7 @@ def _sse(events: list[dict[str, Any]], after: int) -> bytes:
 async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None) -> AsyncIterator[bytes]:
     # Every stream translates the log from its start: the events' numbers are the same in all of them.
     events, finished = ResponseEvents(job.id), False
-    opening = Job.model_validate({**job.model_dump(), "status": JobStatus.queued, "result": None, "error": None})
+    opening = job.model_copy(update={"status": JobStatus.queued, "result": None, "error": None})
     snapshot = responses.response_object(opening)
     try:
         if frame := _sse(events.opening(snapshot), after):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatq.core.errors import BadRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
@@ -203,7 +203,11 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
         fields["tool_choice"] = NamedToolChoice(function={"name": req.tool_choice.name})
     else:
         fields["tool_choice"] = req.tool_choice
-    return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:  # what the Responses fields allow but a chat request does not
+        first = e.errors()[0]
+        raise BadRequest(f"{first['msg']} ({'.'.join(map(str, first['loc']))})", None) from None
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:

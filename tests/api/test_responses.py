@@ -23,6 +23,9 @@ WEATHER = {
 }
 
 
+IMAGE_PARAM = "input[0].content[0].type"
+
+
 def wait_until(client: openai.OpenAI, response_id: str, statuses: set[str], timeout: float = 120) -> Response:
     deadline = time.monotonic() + timeout
     while True:
@@ -118,7 +121,7 @@ def test_delete_removes_the_response(client: openai.OpenAI):
     [
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, IMAGE_PARAM),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI, extra: dict, param: str):
