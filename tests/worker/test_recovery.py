@@ -124,7 +124,9 @@ def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat
 
 
 def test_a_response_whose_worker_is_killed_continues_on_another(cluster, http):
-    client = openai.OpenAI(base_url=f"{http.base_url}v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=120
+    )
     story = "Tell me a long story about a lighthouse keeper and the sea."
     expected = client.responses.create(input=story, max_output_tokens=80, temperature=0).output_text
     events, killed = [], ""
@@ -136,7 +138,8 @@ def test_a_response_whose_worker_is_killed_continues_on_another(cluster, http):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == expected and events[-1].response.output_text == expected
-    assert finished_by(cluster, events[0].response.id) != killed
+    job_id = events[0].response.id
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
     cluster.wait_live(cluster.start_worker())
 
 
