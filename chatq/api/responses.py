@@ -192,7 +192,13 @@ async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[]
         log.exception("relaying response %s failed", job.id)
         finished = True
         error = RelayFailed().body()["error"]
-        yield _sse([{"type": "error", "sequence_number": MAX_SEQ, "code": error["type"], **error}], after)
+        failed = {
+            "type": "error",
+            "sequence_number": events.seq + 1,
+            "code": error["type"],
+            "message": error["message"],
+        }
+        yield _sse([failed], after)
     finally:
         if on_disconnect is not None and not finished:
             on_disconnect()

@@ -10,6 +10,8 @@ import openai
 import pytest
 from openai.types.responses import Response
 
+from tests.api.conftest import KEY_A, KEY_B, Guarded
+
 ASK = "Count from 1 to 100, one number per line."
 WEATHER = {
     "type": "function",
@@ -182,3 +184,28 @@ def test_tool_choice_required_forces_a_call(client: openai.OpenAI):
         input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=40
     )
     assert [o.type for o in resp.output][-1] == "function_call"
+
+
+def test_a_streamed_tool_call_comes_whole_to_the_stream_helper(client: openai.OpenAI, model_name: str):
+    with client.responses.stream(
+        model=model_name, input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=60
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    call = final.output[-1]
+    assert call.type == "function_call" and done and done[0].arguments == args == call.arguments
+    assert "city" in json.loads(args)
+
+
+def test_another_keys_response_is_not_found(guarded: Guarded):
+    with guarded.client(KEY_A) as a, guarded.client(KEY_B) as b:
+        resp = a.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "background": True})
+        assert resp.status_code == 200, resp.text
+        rid = resp.json()["id"]
+        assert b.get(f"/v1/responses/{rid}").status_code == 404
+        assert b.post(f"/v1/responses/{rid}/cancel").status_code == 404
+        assert b.post("/v1/responses", json={"input": "Hi", "previous_response_id": rid}).status_code == 404
+        assert a.get(f"/v1/responses/{rid}").json()["id"] == rid
+        assert a.delete(f"/v1/responses/{rid}").json()["deleted"] is True
