@@ -47,6 +47,8 @@ class Job(BaseModel):
     # A response's own fields (chatq.core.responses): its echoed request, its input items and the earlier items
     # its conversation starts with.
     response: dict[str, Any] | None = None
+    # When the job ended (unix seconds), as its worker wrote it; read only.
+    finished: float | None = None
 
     def to_redis(self) -> dict[str, str]:
         out = {
@@ -97,6 +99,7 @@ class Job(BaseModel):
             traceparent=h.get("traceparent", ""),
             tracestate=h.get("tracestate", ""),
             response=json.loads(h["response"]) if "response" in h else None,
+            finished=float(h["finished"]) if "finished" in h else None,
         )
 
 

@@ -302,7 +302,7 @@ def _finish_reason(job: Job) -> str | None:
     return choices[0].get("finish_reason")
 
 
-def response_object(job: Job, finished_at: float | None = None) -> dict[str, Any]:
+def response_object(job: Job) -> dict[str, Any]:
     """The Response a job is, as GET returns it."""
     stored = job.response or {}
     status = status_of(job)
@@ -313,7 +313,7 @@ def response_object(job: Job, finished_at: float | None = None) -> dict[str, Any
         "id": job.id,
         "object": "response",
         "created_at": job.created,
-        "completed_at": finished_at if status == "completed" else None,
+        "completed_at": int(job.finished) if status == "completed" and job.finished else None,
         "status": status,
         "model": job.model,
         "output": output_items(job.id, job.result),

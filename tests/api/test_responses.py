@@ -45,6 +45,8 @@ def test_a_response_answers_with_its_text_and_usage(client: openai.OpenAI):
     assert resp.usage is not None and 0 < resp.usage.output_tokens <= 8
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
     assert resp.instructions == "Be brief." and resp.max_output_tokens == 8
+    if resp.status == "completed":
+        assert resp.completed_at is not None and resp.completed_at >= resp.created_at
     assert client.responses.retrieve(resp.id).output_text == resp.output_text
 
 
