@@ -155,7 +155,8 @@ def test_a_tool_round_trip_with_previous_response_id(client: openai.OpenAI):
         input="What is the weather in Paris?",
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=40,
+        max_output_tokens=80,
+        temperature=0,
     )
     calls = [o for o in first.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
@@ -183,14 +184,19 @@ def test_previous_response_id_carries_the_conversation(client: openai.OpenAI):
 
 def test_tool_choice_required_forces_a_call(client: openai.OpenAI):
     resp = client.responses.create(
-        input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=40
+        input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=80, temperature=0
     )
     assert [o.type for o in resp.output][-1] == "function_call"
 
 
 def test_a_streamed_tool_call_comes_whole_to_the_stream_helper(client: openai.OpenAI, model_name: str):
     with client.responses.stream(
-        model=model_name, input="Weather in Rome?", tools=[WEATHER], tool_choice="required", max_output_tokens=60
+        model=model_name,
+        input="Weather in Rome?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=80,
+        temperature=0,
     ) as stream:
         events = list(stream)
         final = stream.get_final_response()
