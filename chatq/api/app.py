@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import errors, metrics
+from chatq.api import errors, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
@@ -62,6 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.metrics_registry = registry = CollectorRegistry()
     app.add_middleware(metrics.HTTPMetrics, requests=metrics.http_counter(registry))
     app.include_router(router)
+    app.include_router(responses.router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.

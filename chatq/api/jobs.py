@@ -66,6 +66,10 @@ class Submission(NamedTuple):
 JOB_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
+# A job's id starts with its kind's prefix, as OpenAI's ids do.
+ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_"}
+
+
 class JobStore:
     def __init__(self, client: aioredis.Redis, celery: Celery, settings: Settings):
         self.redis = client
@@ -78,28 +82,29 @@ class JobStore:
     async def submit(
         self,
         request: ChatCompletionRequest | CompletionRequest,
-        kind: Literal["chat", "text"],
+        kind: Literal["chat", "text", "response"],
         model: str,
         prompt_ids: list[int],
         request_id: str | None,
         owner: str = "",
         idempotency_key: str | None = None,
         trace: Mapping[str, str] = {},  # noqa: B006  (read only)
+        response: dict[str, Any] | None = None,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
         `idempotency_key` already names for this owner, with nothing enqueued. `trace` is the trace context the
         job keeps (telemetry.job_trace)."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         job = Job(
-            id=prefix + (request_id or uuid.uuid4().hex),
+            id=ID_PREFIX[kind] + (request_id or uuid.uuid4().hex),
             model=model,
             kind=kind,
             request=request,
             prompt_ids=prompt_ids,
             traceparent=trace.get("traceparent", ""),
             tracestate=trace.get("tracestate", ""),
+            response=response,
         )
         lane, now = celery_priority(request.priority, request.background), time.time()
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
@@ -252,7 +257,8 @@ class JobStore:
     @staticmethod
     def _listed(h: dict[str, str], owner: str, model: str | None) -> Job | None:
         """The job of a record read for the owner's list, if the page shows it."""
-        if not h or "deleted" in h or h.get("owner", "") != owner:
+        # Responses are listed by no route (OpenAI has none), not among chat completions.
+        if not h or "deleted" in h or h.get("owner", "") != owner or h.get("kind") == "response":
             return None
         try:
             job = Job.from_redis(h)

@@ -191,6 +191,11 @@ async def get_chat_completion(
 
 @router.post("/v1/chat/completions/{job_id}/cancel")
 async def cancel_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
+    return await svc.store.view(await cancel_job(svc, job_id, owner))
+
+
+async def cancel_job(svc: Service, job_id: str, owner: str) -> Job:
+    """Cancels the job, if it has not ended, and reads it back: a second cancel finds it as the first left it."""
     await svc.store.cancel(job_id, owner=owner)
     job = await svc.store.get(job_id, owner)
     if job.status is JobStatus.in_progress:
@@ -201,7 +206,7 @@ async def cancel_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
             after = max((await svc.relay.last_seq(job.id) or 0) - 1, 0)
             await asyncio.wait_for(svc.relay.done(job.id, after), CANCEL_WAIT)
         job = await svc.store.get(job_id, owner)
-    return await svc.store.view(job)
+    return job
 
 
 @router.delete("/v1/chat/completions/{job_id}")

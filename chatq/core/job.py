@@ -31,7 +31,7 @@ class Job(BaseModel):
 
     id: str
     model: str
-    kind: Literal["chat", "text"] = "chat"
+    kind: Literal["chat", "text", "response"] = "chat"  # a response runs as a chat request
     created: int = Field(default_factory=lambda: int(time.time()))
     status: JobStatus = JobStatus.queued
     request: ChatCompletionRequest | CompletionRequest
@@ -44,6 +44,11 @@ class Job(BaseModel):
     # The W3C trace context of the request that submitted the job ("" for none): the worker's spans continue it.
     traceparent: str = ""
     tracestate: str = ""
+    # A response's own fields (chatq.core.responses): its echoed request, its input items and the earlier items
+    # its conversation starts with.
+    response: dict[str, Any] | None = None
+    # When the job ended (unix seconds), as its worker wrote it; read only.
+    finished: float | None = None
 
     def to_redis(self) -> dict[str, str]:
         out = {
@@ -68,12 +73,16 @@ class Job(BaseModel):
             out["traceparent"] = self.traceparent
         if self.tracestate:
             out["tracestate"] = self.tracestate
+        if self.response is not None:
+            out["response"] = json.dumps(self.response)
         return out
 
     @classmethod
     def from_redis(cls, h: dict[str, str]) -> Job:
-        kind: Literal["chat", "text"] = "text" if h.get("kind") == "text" else "chat"
-        request_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        kind: Literal["chat", "text", "response"] = "chat"
+        if h.get("kind") in ("text", "response"):
+            kind = "text" if h["kind"] == "text" else "response"
+        request_type = CompletionRequest if kind == "text" else ChatCompletionRequest
         return cls(
             id=h["id"],
             model=h["model"],
@@ -89,6 +98,8 @@ class Job(BaseModel):
             error=json.loads(h["error"]) if "error" in h else None,
             traceparent=h.get("traceparent", ""),
             tracestate=h.get("tracestate", ""),
+            response=json.loads(h["response"]) if "response" in h else None,
+            finished=float(h["finished"]) if "finished" in h else None,
         )
 
 

@@ -30,6 +30,9 @@ GUARDED = [
     ("GET", "/v1/chat/completions/chatcmpl-x", None),
     ("POST", "/v1/chat/completions/chatcmpl-x/cancel", None),
     ("DELETE", "/v1/chat/completions/chatcmpl-x", None),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("GET", "/v1/responses/resp_x", None),
+    ("GET", "/v1/responses/resp_x/input_items", None),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
 ]

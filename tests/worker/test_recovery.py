@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from bench import soak
@@ -119,6 +120,26 @@ def test_a_job_whose_worker_is_killed_continues_on_another_with_no_gap_or_repeat
     while cluster.r.hlen(keys.KOMBU_UNACKED):
         assert time.time() < deadline, cluster.r.hgetall(keys.KOMBU_UNACKED)
         time.sleep(0.1)
+    cluster.wait_live(cluster.start_worker())
+
+
+def test_a_response_whose_worker_is_killed_continues_on_another(cluster, http):
+    client = openai.OpenAI(
+        base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    story = "Tell me a long story about a lighthouse keeper and the sea."
+    expected = client.responses.create(input=story, max_output_tokens=80, temperature=0).output_text
+    events, killed = [], ""
+    for event in client.responses.create(input=story, max_output_tokens=80, temperature=0, stream=True):
+        events.append(event)
+        if len(events) == 20:
+            killed = cluster.holder(events[0].response.id)
+            cluster.signal(killed, signal.SIGKILL)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == expected and events[-1].response.output_text == expected
+    job_id = events[0].response.id
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
     cluster.wait_live(cluster.start_worker())
 
 

@@ -1,0 +1,213 @@
+"""OpenAI's Responses API: /v1/responses, each response a chat job of kind `response` (chatq.core.responses)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+from chatq.api.auth import Owner, authenticate
+from chatq.api.routes import (
+    MAX_SEQ,
+    JSONRoute,
+    Service,
+    SubmitHeaders,
+    Svc,
+    _done_or_disconnected,
+    _valid_json,
+    cancel_job,
+)
+from chatq.api.sse import EventStream, KeepAlive
+from chatq.core import responses, telemetry
+from chatq.core.errors import BadRequest, JobNotFound, NotFound, RelayFailed
+from chatq.core.job import Job, JobStatus
+from chatq.core.responses import ResponseEvents, ResponsesRequest
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(_valid_json)])
+
+
+class ResponseNotFound(JobNotFound):
+    def __init__(self, response_id: str, param: str = "response_id"):
+        super(JobNotFound, self).__init__(f"No response found with id '{response_id}'.", param)
+
+
+async def _get(svc: Service, response_id: str, owner: str | None, param: str = "response_id") -> Job:
+    """The response job, if `owner` may see it; a chat job's id names no response."""
+    try:
+        job = await svc.store.get(response_id, owner)
+    except JobNotFound:
+        raise ResponseNotFound(response_id, param) from None
+    if job.kind != "response":
+        raise ResponseNotFound(response_id, param)
+    return job
+
+
+async def _history(svc: Service, body: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
+    """The items the earlier response's conversation held, and its output: where this one's starts."""
+    if body.previous_response_id is None:
+        return []
+    prev = await _get(svc, body.previous_response_id, owner, "previous_response_id")
+    if not prev.status.finished:
+        raise BadRequest(
+            f"Previous response '{prev.id}' has not finished; it is {prev.status.value}.", "previous_response_id"
+        )
+    stored = prev.response or {}
+    output = responses.output_items(prev.id, prev.result)
+    return [*stored.get("context", []), *stored.get("input", []), *output]
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+    if body.background and not body.store:
+        raise BadRequest("A background response must be stored: background needs store true.", "store")
+    model = await svc.models.get(body.model, need_worker=not body.background)
+    context = await _history(svc, body, sub.owner)
+    # The id is chosen here, so the input items' ids can carry it.
+    response_id = "resp_" + (sub.request_id or uuid.uuid4().hex)
+    items = responses.input_items(body, response_id)
+    chat = responses.chat_request(body, [*context, *items])
+    prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
+    stored = {"request": body.echo(), "input": items, "context": context}
+    job, _, created = await svc.store.submit(
+        chat,
+        "response",
+        model.name,
+        prompt_ids,
+        response_id.removeprefix("resp_"),
+        sub.owner,
+        sub.idempotency_key,
+        telemetry.job_trace(request.headers),
+        response=stored,
+    )
+    cancels = created and not body.background
+    if body.stream:
+        on_disconnect = (lambda: svc.store.cancel_soon(job.id)) if cancels else None
+        return _stream(svc, job, -1, on_disconnect)
+    if body.background:
+        return responses.response_object(job)
+    await _done_or_disconnected(svc, job.id, request, cancels)
+    job = await svc.store.get(job.id)
+    if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
+        return JSONResponse({"error": job.error}, status_code=400)  # the request's fault, answered as chat's is
+    return responses.response_object(job)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(
+    response_id: str,
+    svc: Svc,
+    owner: Owner,
+    stream: bool = False,
+    starting_after: int | None = Query(default=None, ge=0, le=MAX_SEQ),
+) -> Any:
+    job = await _get(svc, response_id, owner)
+    if not stream:
+        return responses.response_object(job)
+    return _stream(svc, job, -1 if starting_after is None else starting_after)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, svc: Svc, owner: Owner) -> Any:
+    await _get(svc, response_id, owner)
+    return responses.response_object(await cancel_job(svc, response_id, owner))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, svc: Svc, owner: Owner) -> Any:
+    await _get(svc, response_id, owner)
+    await svc.store.delete(response_id, owner)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    svc: Svc,
+    owner: Owner,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> Any:
+    """The response's own input items (not the earlier responses'), newest first unless `order` is asc."""
+    job = await _get(svc, response_id, owner)
+    items = list((job.response or {}).get("input", []))
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise NotFound(f"No input item found with id '{after}'.", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > limit}
+
+
+def _stream(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None = None) -> EventStream:
+    """The response's typed events numbered above `after`, replayed from its job's log then followed live."""
+    settings = svc.settings
+    return EventStream(
+        _frames(svc, job, after, on_disconnect),
+        ping=settings.sse_keepalive,
+        ping_message_factory=KeepAlive,
+        send_timeout=settings.sse_send_timeout,
+        headers={"X-Accel-Buffering": "no"},
+    )
+
+
+def _sse(events: list[dict[str, Any]], after: int) -> bytes:
+    """The events past `after` as SSE frames, named by type as OpenAI sends them."""
+    return b"".join(
+        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+        for e in events
+        if e["sequence_number"] > after
+    )
+
+
+async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None) -> AsyncIterator[bytes]:
+    # Every stream translates the log from its start: the events' numbers are the same in all of them.
+    events, finished = ResponseEvents(job.id), False
+    opening = job.model_copy(update={"status": JobStatus.queued, "result": None, "error": None})
+    snapshot = responses.response_object(opening)
+    try:
+        if frame := _sse(events.opening(snapshot), after):
+            yield frame
+        snapshot["status"] = "in_progress"
+        async for batch in svc.relay.batches(job.id, 0):
+            out = [e for event in batch for e in events.feed(event, snapshot)]
+            if events.ended:
+                out += events.terminal(await _final(svc, job, snapshot))
+            if frame := _sse(out, after):
+                yield frame
+        finished = True
+    except Exception:
+        # The client is still there: it gets an error event and the end of the stream, and its job goes on.
+        log.exception("relaying response %s failed", job.id)
+        finished = True
+        error = RelayFailed().body()["error"]
+        failed = {
+            "type": "error",
+            "sequence_number": events.seq + 1,
+            "code": error["type"],
+            "message": error["message"],
+        }
+        yield _sse([failed], after)
+    finally:
+        if on_disconnect is not None and not finished:
+            on_disconnect()
+
+
+async def _final(svc: Service, job: Job, snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The Response as its job ended; failed, if its record is gone (deleted or expired while streamed)."""
+    try:
+        return responses.response_object(await svc.store.get(job.id))
+    except JobNotFound:
+        gone = {"code": "NotFoundError", "message": f"Response '{job.id}' was deleted or expired."}
+        return {**snapshot, "status": "failed", "error": gone}

@@ -1,0 +1,451 @@
+"""OpenAI's Responses API on the chat job: the request, its conversion into the chat request the job runs, the
+Response object made from the job's record, and the typed stream events made from the job's chat chunks.
+
+The job's log holds chat chunks, as every chat job's does: a worker taking it over replays them the same, and the
+events here are a pure function of that log, so their sequence numbers are the same from any API replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chatq.core.errors import BadRequest
+from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.requests import ChatCompletionRequest, NamedToolChoice
+
+# The echoed request fields of a Response, with OpenAI's defaults for those left out.
+ECHO_DEFAULTS: dict[str, Any] = {
+    "instructions": None,
+    "max_output_tokens": None,
+    "metadata": {},
+    "parallel_tool_calls": True,
+    "previous_response_id": None,
+    "reasoning": None,
+    "store": True,
+    "temperature": None,
+    "text": {"format": {"type": "text"}},
+    "tool_choice": "auto",
+    "tools": [],
+    "top_p": None,
+    "user": None,
+    "background": False,
+}
+
+
+class _Strict(BaseModel):
+    # Anything OpenAI has that chatq does not do is refused by name, never silently ignored.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; chatq writes no summaries
+
+
+class ResponsesRequest(_Strict):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    model: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    background: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None  # accepted; nothing it names is left out of a chatq Response
+
+    def echo(self) -> dict[str, Any]:
+        """The request's fields that a Response repeats."""
+        given = self.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"input", "stream", "include"})
+        return {k: given.get(k, default) for k, default in ECHO_DEFAULTS.items()}
+
+
+# --- input items -> chat messages ---------------------------------------------------------------------------
+
+
+def input_items(req: ResponsesRequest, response_id: str) -> list[dict[str, Any]]:
+    """The request's input as items, each with an id (a string input is one user message)."""
+    raw = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    return [_item(item, f"input[{i}]", f"{_suffix(response_id)}_{i}") for i, item in enumerate(raw)]
+
+
+def _item(item: dict[str, Any], where: str, suffix: str) -> dict[str, Any]:
+    kind = item.get("type", "message")  # EasyInputMessage: a role and content, no type
+    if kind == "message":
+        return _message_item(item, where, suffix)
+    if kind == "function_call":
+        _need(item, ("call_id", "name", "arguments"), where)
+        return {"type": kind, "id": item.get("id") or f"fc_{suffix}", "status": "completed", **_pick(item, kind)}
+    if kind == "function_call_output":
+        _need(item, ("call_id", "output"), where)
+        if not isinstance(item["output"], str):
+            raise BadRequest(f"{where}.output must be a string.", f"{where}.output")
+        return {"type": kind, "id": item.get("id") or f"fco_{suffix}", "status": "completed", **_pick(item, kind)}
+    if kind == "reasoning":  # an earlier answer's thought, sent back: kept, not rendered
+        return {**item, "id": item.get("id") or f"rs_{suffix}"}
+    raise BadRequest(f"Input items of type '{kind}' are not supported.", f"{where}.type")
+
+
+def _pick(item: dict[str, Any], kind: str) -> dict[str, Any]:
+    names = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    return {n: item[n] for n in names}
+
+
+def _need(item: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    for n in names:
+        if not isinstance(item.get(n), str):
+            raise BadRequest(f"Missing required parameter: '{where}.{n}'.", f"{where}.{n}")
+
+
+def _message_item(item: dict[str, Any], where: str, suffix: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise BadRequest(f"{where}.role must be user, system, developer or assistant.", f"{where}.role")
+    content = item.get("content")
+    part_type = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        parts = [{"type": part_type, "text": content}]
+    elif isinstance(content, list):
+        parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    else:
+        raise BadRequest(f"{where}.content must be a string or a list of parts.", f"{where}.content")
+    return {"type": "message", "id": item.get("id") or f"msg_{suffix}", "role": role, "content": parts}
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+        raise BadRequest(f"Content parts of type '{kind}' are not supported; only input_text.", f"{where}.type")
+    return part
+
+
+def messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """The conversation as chat messages: function calls join the assistant turn they follow."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function", "function": _call_function(item)}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            elif last is not None and last["role"] == "assistant":
+                last["tool_calls"] = [call]
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return out
+
+
+def _call_function(item: dict[str, Any]) -> dict[str, str]:
+    return {"name": item["name"], "arguments": item["arguments"]}
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request the job runs for `req`, over the whole conversation (earlier responses' items first)."""
+    msgs = messages(conversation, req.instructions)
+    if not msgs:
+        raise BadRequest("input must hold at least one message.", "input")
+    fields: dict[str, Any] = {
+        "messages": msgs,
+        "model": req.model,
+        "stream": req.stream,
+        "background": req.background,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "user": req.user,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "reasoning_effort": req.reasoning.effort if req.reasoning else None,
+        "response_format": _response_format(req.text),
+    }
+    if req.tools:
+        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"})} for t in req.tools]
+    if isinstance(req.tool_choice, NamedFunction):
+        fields["tool_choice"] = NamedToolChoice(function={"name": req.tool_choice.name})
+    else:
+        fields["tool_choice"] = req.tool_choice
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:  # what the Responses fields allow but a chat request does not
+        first = e.errors()[0]
+        raise BadRequest(f"{first['msg']} ({'.'.join(map(str, first['loc']))})", None) from None
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    fmt = text.format if text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if not fmt.name:
+        raise BadRequest("Missing required parameter: 'text.format.name'.", "text.format.name")
+    schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+# --- the Response object --------------------------------------------------------------------------------------
+
+
+def _suffix(response_id: str) -> str:
+    return response_id.removeprefix("resp_")
+
+
+def message_id(response_id: str) -> str:
+    return f"msg_{_suffix(response_id)}"
+
+
+def reasoning_id(response_id: str) -> str:
+    return f"rs_{_suffix(response_id)}"
+
+
+def call_item_id(call_id: str) -> str:
+    return "fc_" + call_id.rsplit("-", 1)[-1]
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": call_item_id(call_id),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(response_id: str, result: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The output items of a job's chat result: its reasoning, its text, its tool calls, in the order streamed."""
+    if not result or not result.get("choices"):
+        return []
+    message = result["choices"][0].get("message") or {}
+    out = []
+    if message.get("reasoning"):
+        out.append(reasoning_item(reasoning_id(response_id), message["reasoning"]))
+    if message.get("content"):
+        out.append(message_item(message_id(response_id), message["content"]))
+    for call in message.get("tool_calls") or []:
+        out.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return out
+
+
+def _usage(job: Job) -> dict[str, Any]:
+    chat = (job.result or {}).get("usage") or {}
+    prompt = chat.get("prompt_tokens", len(job.prompt_ids))
+    completion = chat.get("completion_tokens", job.completion_tokens)
+    reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + completion,
+    }
+
+
+def status_of(job: Job) -> str:
+    """The Response's status: a completed job whose text ran out of tokens is `incomplete`."""
+    if job.status is JobStatus.completed and _finish_reason(job) == "length":
+        return "incomplete"
+    return job.status.value
+
+
+def _finish_reason(job: Job) -> str | None:
+    choices = (job.result or {}).get("choices") or [{}]
+    return choices[0].get("finish_reason")
+
+
+def response_object(job: Job) -> dict[str, Any]:
+    """The Response a job is, as GET returns it."""
+    stored = job.response or {}
+    status = status_of(job)
+    error = None
+    if job.error:
+        error = {"code": str(job.error.get("type") or "server_error"), "message": job.error.get("message", "")}
+    return {
+        "id": job.id,
+        "object": "response",
+        "created_at": job.created,
+        "completed_at": int(job.finished) if status == "completed" and job.finished else None,
+        "status": status,
+        "model": job.model,
+        "output": output_items(job.id, job.result),
+        "usage": _usage(job) if job.status.finished else None,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        **(stored.get("request") or ECHO_DEFAULTS),
+    }
+
+
+# --- chat chunks -> typed stream events ----------------------------------------------------------------------
+
+TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
+
+
+@dataclass
+class _Open:
+    """The output item the stream has open."""
+
+    index: int
+    item: dict[str, Any]
+    text: str = ""
+
+
+@dataclass
+class ResponseEvents:
+    """Turns a response job's events, in order, into the Responses stream's events, numbered from 0."""
+
+    response_id: str
+    seq: int = -1
+    started: bool = False
+    ended: bool = False
+    outputs: int = 0
+    current: _Open | None = None
+    calls: dict[int, _Open] = field(default_factory=dict)  # the chat tool call index -> its item
+
+    def _ev(self, kind: str, **data: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq, **data}
+
+    def opening(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._ev("response.created", response=response)]
+
+    def feed(self, event: Event, snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events for one of the job's events; `ended` is set at its `done` (then `terminal` follows)."""
+        if event.event is EventKind.done:
+            self.ended = True
+            return self._close()
+        if event.event is EventKind.error or not event.data or not event.data.get("choices"):
+            return []
+        out = [] if self.started else [self._ev("response.in_progress", response=snapshot)]
+        self.started = True
+        choice = event.data["choices"][0]
+        out += self._delta(choice.get("delta") or {})
+        if choice.get("finish_reason") is not None:
+            out += self._close()
+        return out
+
+    def terminal(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        # No cancelled event exists in OpenAI's stream: a cancelled response ends as an incomplete one would.
+        return [self._ev(TERMINAL.get(response["status"], "response.incomplete"), response=response)]
+
+    def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        if delta.get("reasoning"):
+            out += self._text("reasoning", reasoning_id(self.response_id), delta["reasoning"])
+        if delta.get("content"):
+            out += self._text("message", message_id(self.response_id), delta["content"])
+        for call in delta.get("tool_calls") or []:
+            out += self._call(call)
+        return out
+
+    def _open(self, item: dict[str, Any]) -> tuple[_Open, list[dict[str, Any]]]:
+        out = self._close()
+        self.current = _Open(self.outputs, item)
+        self.outputs += 1
+        return self.current, [*out, self._ev("response.output_item.added", output_index=self.current.index, item=item)]
+
+    def _text(self, kind: str, item_id: str, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        cur = self.current
+        if cur is None or cur.item["id"] != item_id:
+            item = message_item(item_id, "", "in_progress") if kind == "message" else reasoning_item(item_id, "")
+            item["content"] = []
+            cur, out = self._open(item)
+            out.append(self._part("response.content_part.added", cur, ""))
+        cur.text += text
+        where = {"item_id": item_id, "output_index": cur.index, "content_index": 0}
+        if kind == "message":
+            return [*out, self._ev("response.output_text.delta", **where, delta=text, logprobs=[])]
+        return [*out, self._ev("response.reasoning_text.delta", **where, delta=text)]
+
+    def _part(self, kind: str, cur: _Open, text: str) -> dict[str, Any]:
+        if cur.item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        else:
+            part = {"type": "reasoning_text", "text": text}
+        return self._ev(kind, item_id=cur.item["id"], output_index=cur.index, content_index=0, part=part)
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        fn = call.get("function") or {}
+        if call.get("id") is not None:
+            opened, out = self._open(call_item(call["id"], fn.get("name") or "", "", "in_progress"))
+            self.calls[call["index"]] = opened
+        target = self.calls.get(call["index"]) or self.current
+        if target is None or not fn.get("arguments"):
+            return out
+        target.text += fn["arguments"]
+        where = {"item_id": target.item["id"], "output_index": target.index}
+        return [*out, self._ev("response.function_call_arguments.delta", **where, delta=fn["arguments"])]
+
+    def _close(self) -> list[dict[str, Any]]:
+        cur, self.current = self.current, None
+        if cur is None:
+            return []
+        item, where = cur.item, {"item_id": cur.item["id"], "output_index": cur.index}
+        if item["type"] == "function_call":
+            done = call_item(item["call_id"], item["name"], cur.text)
+            closing = [
+                self._ev("response.function_call_arguments.done", **where, name=item["name"], arguments=cur.text)
+            ]
+        elif item["type"] == "message":
+            done = message_item(item["id"], cur.text)
+            closing = [
+                self._ev("response.output_text.done", **where, content_index=0, text=cur.text, logprobs=[]),
+                self._part("response.content_part.done", cur, cur.text),
+            ]
+        else:
+            done = reasoning_item(item["id"], cur.text)
+            closing = [
+                self._ev("response.reasoning_text.done", **where, content_index=0, text=cur.text),
+                self._part("response.content_part.done", cur, cur.text),
+            ]
+        return [*closing, self._ev("response.output_item.done", output_index=cur.index, item=done)]
