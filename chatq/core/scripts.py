@@ -32,7 +32,8 @@ end
 
 # Pushes a background job's webhook messages (chatq.core.webhooks.Outbox.block, "" for none) onto the webhook queue,
 # in the script that ends the job, so no end is lost between it and its webhook. The job's kind and its status
-# complete each message; a job whose request is not a background one sends none. The queue is named in the block,
+# complete each message; a job whose request is not a background one sends none. A response whose text ran out of
+# tokens ended `incomplete`, as its Response says (chatq.core.responses.status_of). The queue is named in the block,
 # not in KEYS, which Redis Cluster forbids (as the cancel script's completed prefixes).
 _WEBHOOK = """
 local function webhook(block, job, status)
@@ -42,6 +43,11 @@ local function webhook(block, job, status)
   local ok, request = pcall(cjson.decode, h[2] or '')
   if not ok or type(request) ~= 'table' or request.background ~= true then return end
   if not string.match(kind, '^[%w_]+$') or not string.match(status, '^[%w_]+$') then return end
+  if kind == 'response' and status == 'completed' then
+    local decoded, result = pcall(cjson.decode, redis.call('HGET', job, 'result') or '')
+    local choice = decoded and type(result) == 'table' and type(result.choices) == 'table' and result.choices[1]
+    if type(choice) == 'table' and choice.finish_reason == 'length' then status = 'incomplete' end
+  end
   local w = cjson.decode(block)
   for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. kind .. '.' .. status .. m[2]) end
 end

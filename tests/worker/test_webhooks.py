@@ -173,6 +173,17 @@ def test_a_background_job_sends_one_verified_event_again_after_a_5xx(hooked: Sta
     assert not hooked.receiver.unverified
 
 
+def test_a_background_response_sends_the_event_of_its_status(hooked: Stack) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "input": "Tell me a long story.", "background": True}
+    short = hooked.http.post("/v1/responses", json=body | {"max_output_tokens": 3, "temperature": 0}).json()["id"]
+    (got,) = hooked.receiver.wait(short)
+    assert got.type == "response.incomplete"  # it ran out of tokens
+    deadline = time.time() + 30
+    while hooked.http.get(f"/v1/responses/{short}").json()["status"] != "incomplete":
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
 def test_a_slow_receiver_is_timed_out_and_sent_the_same_event_again(hooked: Stack) -> None:
     job_id = "chatcmpl-" + uuid.uuid4().hex
     hooked.receiver.plans[job_id] = ["slow", 200]
