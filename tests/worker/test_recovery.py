@@ -174,15 +174,17 @@ def new_holder(cluster: Cluster, job_id: str, old: str) -> str:
 
 
 def test_a_job_whose_workers_keep_dying_fails_once_its_attempts_are_spent(cluster, http):
-    job_id = background(http, 400)
+    job_id = background(http, 4000)  # still running after the workers below start
     wait_status(http, job_id, "in_progress", tokens=5)
     first = cluster.holder(job_id)
     cluster.signal(first, signal.SIGKILL)
     second = new_holder(cluster, job_id, first)
     tokens = wait_status(http, job_id, "in_progress")["progress"]["completion_tokens"]
     wait_status(http, job_id, "in_progress", tokens=tokens + 5)
-    cluster.signal(second, signal.SIGKILL)
+    # Live workers to sweep for it at once: a job nobody sweeps for longer than its log's expiry (result_ttl, 15 s
+    # here) loses the log.
     cluster.wait_live(cluster.start_worker(), cluster.start_worker())
+    cluster.signal(second, signal.SIGKILL)
     job = wait_status(http, job_id, "failed")
     assert "CHATQ_MAX_ATTEMPTS" in job["error"]["message"]
     fs = replay(http, job_id)
