@@ -165,26 +165,11 @@ def up(settings: Settings, with_flower: bool = True) -> int:
             settings = settings.model_copy(update={"redis_url": redis_server.url})
             print(f"chatq: embedded Redis at {masked(redis_server.url)}", flush=True)
         prepare_model(settings)
-        services["worker"] = subprocess.Popen(worker_command(settings), env=env)
-        services["api"] = subprocess.Popen(api_command(settings), env=env)
-        if settings.webhook_url_list:
-            services["webhooks"] = subprocess.Popen(webhooks_command(settings), env=env)
-        if with_flower:
-            services["flower"] = subprocess.Popen(flower_command(settings), env=flower_env(settings, env))
-        print(
-            f"chatq: starting the API on {_url(settings.api_host, settings.api_port)}"
-            + (f" and Flower on {_url(settings.api_host, settings.flower_port)}" if with_flower else ""),
-            flush=True,
-        )
+        _start(services, settings, env, with_flower)
         watched = dict(services)
         if redis_server is not None and redis_server.proc is not None:
             watched["redis"] = redis_server.proc  # type: ignore[assignment]
-        while True:
-            for name, p in watched.items():
-                if p.poll() is not None:
-                    print(f"chatq: {name} exited with status {p.returncode}; stopping", file=sys.stderr, flush=True)
-                    return 1
-            time.sleep(0.5)
+        return _watch(watched)
     except KeyboardInterrupt:
         return 0
     except RuntimeError as e:  # Redis would not start: its own words say why
@@ -203,6 +188,32 @@ def up(settings: Settings, with_flower: bool = True) -> int:
                 signal.signal(signum, signal.SIG_IGN)
             if redis_server is not None:
                 redis_server.stop()
+
+
+def _start(services: dict[str, subprocess.Popen], settings: Settings, env: dict[str, str], with_flower: bool) -> None:
+    """Starts the worker, the API, the webhook worker (with webhook URLs) and Flower into `services`, one by one, so
+    that an interrupt meanwhile stops those already started."""
+    services["worker"] = subprocess.Popen(worker_command(settings), env=env)
+    services["api"] = subprocess.Popen(api_command(settings), env=env)
+    if settings.webhook_url_list:
+        services["webhooks"] = subprocess.Popen(webhooks_command(settings), env=env)
+    if with_flower:
+        services["flower"] = subprocess.Popen(flower_command(settings), env=flower_env(settings, env))
+    print(
+        f"chatq: starting the API on {_url(settings.api_host, settings.api_port)}"
+        + (f" and Flower on {_url(settings.api_host, settings.flower_port)}" if with_flower else ""),
+        flush=True,
+    )
+
+
+def _watch(watched: dict[str, subprocess.Popen]) -> int:
+    """Waits until a process exits by itself, and says which: the rest are then stopped."""
+    while True:
+        for name, p in watched.items():
+            if p.poll() is not None:
+                print(f"chatq: {name} exited with status {p.returncode}; stopping", file=sys.stderr, flush=True)
+                return 1
+        time.sleep(0.5)
 
 
 def _stop(services: dict[str, subprocess.Popen], gently: bool) -> None:
