@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatq.worker import attention
+from chatq.worker import attention, dense
 
-# A CPU decode's gathered context: slot ids [D, Lmax] and the mask of the real ones (attention.gather_context).
+# A CPU decode's context: block ids [D, W] and the mask of the slots in use (attention.gather_context).
 Context = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -67,7 +67,6 @@ class PagedForward:
         self.layers = inner.layers
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
-        self.lm_head: Any = model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
@@ -83,12 +82,10 @@ class PagedForward:
             # Where torch prefers cuDNN's attention (Hopper, recent cuDNN) it builds a costly plan for each new pair of
             # prompt and context lengths, and a server keeps seeing new ones.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        if not kc.is_cuda:
-            # MKL's sgemm runs nn.Linear's x @ W.T faster at decode-step row counts when W is column-major, so on CPU
-            # each weight is made column-major once: same values and math.
-            for module in model.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.data = module.weight.data.t().contiguous().t()
+        packed = dense.can_pack(kc.device, kc.dtype)
+        self.dense = [dense.Layer(layer, packed) for layer in self.layers]
+        lm_head: Any = model.lm_head
+        self.head = dense.Dense(lm_head, packed)
 
     @torch.inference_mode()
     def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,23 +98,23 @@ class PagedForward:
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
-        for i, layer in enumerate(self.layers):
-            residual = h
-            h = layer.input_layernorm(h)
-            h = residual + self._attention(layer.self_attn, h, cos, sin, i, b, ctx)
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        for i, (layer, proj) in enumerate(zip(self.layers, self.dense, strict=True)):
+            x = layer.input_layernorm(h)
+            h = proj.o.plus(self._attention(layer.self_attn, proj, x, cos, sin, i, b, ctx), h)
+            x = layer.post_attention_layernorm(h)
+            h = proj.mlp_plus(x, h)
         h = self.norm(h if b.logits_at is None else h[b.logits_at])
-        logits = self.lm_head(h)
+        logits = self.head(h)
         return logits.float() if out is None else out.copy_(logits)
 
     def _attention(
-        self, attn: Any, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
+        self, attn: Any, proj: dense.Layer, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
     ) -> torch.Tensor:
+        """Attention's output for every token, before the output projection."""
         t = h.shape[0]
-        q = attn.q_proj(h).view(t, -1, self.head_dim)
-        k = attn.k_proj(h).view(t, -1, self.head_dim)
-        v = attn.v_proj(h).view(t, -1, self.head_dim)
+        q = proj.q(h).view(t, -1, self.head_dim)
+        k = proj.k(h).view(t, -1, self.head_dim)
+        v = proj.v(h).view(t, -1, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
         # apply_rotary_pos_emb wants heads before tokens; here tokens lead, so broadcast cos/sin over dim 1.
@@ -127,7 +124,7 @@ class PagedForward:
         vc.index_copy_(0, b.slots, v)
         d = b.num_decode
         if d == t:  # decode only: no copy into a shared output
-            return attn.o_proj(self._decode(q, kc, vc, b, ctx).reshape(t, -1))
+            return self._decode(q, kc, vc, b, ctx).reshape(t, -1)
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], kc, vc, b, ctx)
@@ -150,7 +147,7 @@ class PagedForward:
                 enable_gqa=gqa,
             )
             out[start:end] = o[0].transpose(0, 1)
-        return attn.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx: Context | None):
         if ctx is not None:

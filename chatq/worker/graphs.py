@@ -40,7 +40,7 @@ class DecodeGraphs:
         if self.capture:
             # One output shared by every bucket: one per graph would hold an [n, V] float32 block per bucket, memory
             # the KV-cache sizing never accounted for.
-            self.out = torch.empty(n, forward.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+            self.out = torch.empty(n, forward.head.out_features, dtype=torch.float32, device=dev)
             self._capture_all()
 
     @property

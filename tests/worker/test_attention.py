@@ -34,6 +34,30 @@ def test_paged_kernel_equals_gathered_sdpa(heads, kv_heads, head_dim, dtype, tol
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+def own_keys_attention(q, kc, vc, table, lens, scale):
+    """Each sequence alone, its keys read slot by slot through its block table."""
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        slots = torch.tensor([int(table[b, i // BLOCK]) * BLOCK + i % BLOCK for i in range(n)])
+        k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]  # [1, KVH, n, D]
+        o = torch.nn.functional.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=scale, enable_gqa=True)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("gather_bytes", [attention.GATHER_BYTES, 1, 1_000_000])
+def test_gathered_attention_equals_each_sequence_on_its_own(gather_bytes, monkeypatch):
+    # Whole, a sequence per piece, and pieces of a few sequences (the last one shorter).
+    monkeypatch.setattr(attention, "GATHER_BYTES", gather_bytes)
+    torch.manual_seed(2)
+    kc, vc = torch.randn(64 * BLOCK, 3, 64), torch.randn(64 * BLOCK, 3, 64)
+    lens = torch.tensor([1, 15, 16, 17, 64, 65, 200], dtype=torch.int32)
+    table = torch.stack([torch.randperm(64)[:13] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), 9, 64)
+    got = attention.decode_sdpa(q, kc, vc, *attention.gather_context(table, lens, BLOCK), 0.125)
+    torch.testing.assert_close(got, own_keys_attention(q, kc, vc, table, lens, 0.125))
+
+
 def test_keys_past_a_sequences_length_are_not_read():
     torch.manual_seed(1)
     with torch.device(DEV):
