@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -196,13 +197,16 @@ def test_a_job_whose_workers_keep_dying_fails_once_its_attempts_are_spent(cluste
 def test_a_stopped_worker_finishes_what_fits_its_grace_and_hands_the_rest_over(cluster, http):
     expected = answer(http, 200)
     short = background(http, 4)
-    fs, stopped = stream_signalling(cluster, http, body(200, stream=True), 10, signal.SIGTERM)
+    with ThreadPoolExecutor(1) as pool:
+        # Read as it completes: the long stream may outlast the short job's result (result_ttl).
+        short_done = pool.submit(wait_status, http, short, "completed")
+        fs, stopped = stream_signalling(cluster, http, body(200, stream=True), 10, signal.SIGTERM)
     assert_whole(fs)
     assert text_of(fs) == expected
     long_id = fs[0].json["id"]
     assert finished_by(cluster, long_id) != stopped
     assert cluster.r.hget(keys.job(long_id), "attempts") == "1"  # handed over, not lost: no attempt counted
-    assert wait_status(http, short, "completed")["choices"][0]["finish_reason"] == "length"
+    assert short_done.result()["choices"][0]["finish_reason"] == "length"
     assert cluster.procs[stopped].wait(timeout=60) == 0
     cluster.wait_live(cluster.start_worker())
 
