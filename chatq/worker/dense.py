@@ -1,9 +1,9 @@
 """The model's linear layers as the forward pass multiplies by them.
 
 On CPU each weight is reordered once into oneDNN's blocked layout, and the activation or sum that follows a
-projection runs inside the same call: PyTorch's own nn.Linear goes through MKL's sgemm, which at a decode step's few
-rows runs at half oneDNN's rate on these weights, and the output head at a third. Elsewhere (CUDA, or a CPU and dtype
-oneDNN cannot pack for) it is plain F.linear.
+projection runs inside the same call: PyTorch's own nn.Linear goes through MKL's sgemm, which multiplies a decode
+step's few rows by cold weights much slower (docs/performance.md). Elsewhere (CUDA, or a CPU and dtype oneDNN cannot
+pack for) it is plain F.linear.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ def linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias)
 
 
+def test_float32_weights_are_packed_wherever_torch_has_onednn():
+    # Else every step would quietly fall back to nn.Linear's slower product.
+    assert dense.can_pack(CPU, torch.float32) == torch.backends.mkldnn.is_available()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("packed", [True, False])
