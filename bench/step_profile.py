@@ -7,8 +7,8 @@ Run from the repository root:
 A real worker's engine loop (runner, engine, detokenizer, parsers, publisher) runs B streamed, greedy,
 `ignore_eos` jobs against a real Redis; once all of them decode, each phase of its steps is timed:
 
-- forward: the model's pass over the paged cache, of which attention is the decode attention (context gather
-  included), and dense is the rest (projections, MLPs, norms, rotary, the output head);
+- forward: the model's pass over the paged cache, of which attention is the decode attention (placing contexts
+  in their rows, or gathering them, included), and dense is the rest (projections, MLPs, norms, rotary, the output head);
 - sampling: logits processing and the pick;
 - text: detokenize, parse and build each job's chunks;
 - redis: the step's one write (events, records, cancels read back);
@@ -96,6 +96,9 @@ def instrument(runner: Runner, clocks: Clocks) -> None:
     clocks.wrap(runner, "_handle", "text")
     clocks.wrap(runner, "_close_or_progress", "text")
     clocks.wrap(runner.publisher, "flush", "redis")
+    if engine.forward.rows is not None:
+        clocks.wrap(engine.forward.rows, "place", "attention")
+        clocks.wrap(engine.forward.rows, "attend", "attention")
     clocks.wrap(engine, "forward", "forward")
     clocks.wrap(engine, "_sample", "sampling")
     clocks.wrap(attention, "gather_context", "attention")

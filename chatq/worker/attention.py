@@ -2,12 +2,14 @@
 
 On CUDA a Triton kernel reads each sequence's keys in place through its block-table row, where SDPA would first
 gather every context, per layer per step, at more cost than the attention at large batches. Its loop bounds come
-from device-side lengths, so a CUDA graph replays it at any length. On CPU the keys are gathered for SDPA.
+from device-side lengths, so a CUDA graph replays it at any length. On CPU each decoding sequence's keys stay in a
+contiguous row of their own for SDPA (ContextRows), gathered from the blocks only where rows would take too much memory.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +90,126 @@ def _decode_sdpa(q, kc, vc, ctx, mask, scale: float, block: int) -> torch.Tensor
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return o.squeeze(2)
+
+
+@dataclass
+class Placement:
+    """Where one step's decoding sequences sit in the context rows: sequence j of the batch in row `rows[j]`, its
+    new token at `pos[j]`; rows 0..count-1 are all in use."""
+
+    rows: torch.Tensor  # [D]
+    pos: torch.Tensor  # [D]
+    mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them
+    width: int
+
+
+class ContextRows:
+    """Each decoding sequence's keys and values kept in a contiguous row of their own, on CPU.
+
+    Gathering every context from the paged cache, per layer per step, costs more than the attention that reads it;
+    here a sequence's context is copied once, when it starts decoding, and each step adds its new token. A sequence
+    missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers.
+    """
+
+    ROWS, TOKENS = 8, 128  # capacity grows in these steps
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, budget: int):
+        self.layers, self.kv_heads, self.head_dim, self.block = layers, kv_heads, head_dim, block_size
+        self.dtype, self.budget = dtype, budget
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
+        self.v: list[torch.Tensor] = []
+        self.row_of: dict[str, int] = {}
+
+    def clear(self) -> None:
+        """Forgets every row (their memory is kept for the next sequences)."""
+        self.row_of = {}
+
+    def place(
+        self,
+        ids: list[str],
+        lens: torch.Tensor | None,
+        table: torch.Tensor | None,
+        kc: list[torch.Tensor],
+        vc: list[torch.Tensor],
+    ) -> Placement | None:
+        """Rows for this step's decoding sequences (ids, context lengths with the new token, block table), their
+        earlier tokens copied from the paged cache (kc, vc per layer); None where there are none or they would not
+        fit the budget."""
+        alive = set(ids)
+        self.row_of = {i: r for i, r in self.row_of.items() if i in alive}
+        if not ids or lens is None or table is None or not self._reserve(len(ids), table.shape[1] * self.block):
+            self.clear()
+            return None
+        self._compact(len(ids))
+        self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, kc, vc)
+        rows = torch.tensor([self.row_of[i] for i in ids])
+        width = table.shape[1] * self.block
+        row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
+        mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
+        mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
+        return Placement(rows, lens.long() - 1, mask, width)
+
+    def _reserve(self, rows: int, tokens: int) -> bool:
+        """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
+        have_rows, have_tokens = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        if rows <= have_rows and tokens <= have_tokens:
+            return True
+        rows = max(have_rows, -(-rows // self.ROWS) * self.ROWS)
+        tokens = max(have_tokens, -(-tokens // self.TOKENS) * self.TOKENS)
+        size = 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * torch.finfo(self.dtype).bits // 8
+        if size > self.budget:
+            return False
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = torch.zeros(rows, self.kv_heads, tokens, self.head_dim, dtype=self.dtype)
+            if old is not None:
+                new[: old.shape[0], :, : old.shape[2]] = old
+            return new
+
+        none: list[torch.Tensor | None] = [None] * self.layers
+        self.k = [grown(old) for old in self.k or none]
+        self.v = [grown(old) for old in self.v or none]
+        return True
+
+    def _compact(self, count: int) -> None:
+        """Moves the sequences in rows past `count` into free rows below it, so that attention reads rows 0..count-1."""
+        taken = set(self.row_of.values())
+        free = iter(r for r in range(count) if r not in taken)
+        moves = [(i, r, next(free)) for i, r in self.row_of.items() if r >= count]
+        if not moves:
+            return
+        src, dst = (torch.tensor([m[k] for m in moves]) for k in (1, 2))
+        for rows in (*self.k, *self.v):
+            rows.index_copy_(0, dst, rows.index_select(0, src))
+        self.row_of.update({i: d for i, _, d in moves})
+
+    def _join(self, joining: list[int], ids: list[str], table, kc: list[torch.Tensor], vc: list[torch.Tensor]) -> None:
+        if not joining:
+            return
+        taken = set(self.row_of.values())
+        free = [r for r in range(len(ids)) if r not in taken][: len(joining)]
+        blocks = table[joining].flatten()
+        rows = torch.tensor(free)
+        n = table.shape[1] * self.block
+        for cache, kept in ((kc, self.k), (vc, self.v)):
+            for layer, whole in enumerate(cache):
+                ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
+                kept[layer][:, :, :n].index_copy_(0, rows, ctx.view(len(joining), n, *whole.shape[1:]).transpose(1, 2))
+        self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Placement, scale: float):
+        """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
+        kr, vr = self.k[layer], self.v[layer]
+        kr[at.rows, :, at.pos] = k
+        vr[at.rows, :, at.pos] = v
+        count, heads = q.shape[:2]
+        by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
+        # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
+        grouped = by_row.view(count, self.kv_heads, heads // self.kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            grouped, kr[:count, :, : at.width], vr[:count, :, : at.width], attn_mask=at.mask, scale=scale
+        )
+        return o.view(count, heads, self.head_dim).index_select(0, at.rows)
 
 
 if triton is not None:

@@ -359,6 +359,7 @@ class Engine:
             dec_lens=dec_lens,
             prefills=prefills,
             logits_at=None if len(logits_at) == len(ids) else to_device(dev, logits_at),
+            dec_ids=[s.id for s in decodes],
         )
         return batch, emitting
 

@@ -7,7 +7,7 @@ K/V into slots the block manager chose, and attention reads each sequence's slot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,8 +16,9 @@ from torch import nn
 
 from chatq.worker import attention, dense
 
-# A CPU decode's context: block ids [D, W] and the mask of the slots in use (attention.gather_context).
-Context = tuple[torch.Tensor, torch.Tensor]
+# A CPU decode's context: its place in the context rows, or else the block ids [D, W] and the mask of the slots in
+# use that gathering it takes (attention.gather_context).
+Context = attention.Placement | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Batch:
     # Prefill part: per chunk, its (start, end) in the flat row, context slots and mask (None: plain causal).
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
+    dec_ids: list[str] = field(default_factory=list)  # [D] the decoding sequences' ids (CPU context rows)
 
 
 class KVCache:
@@ -49,6 +51,7 @@ class KVCache:
         shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.bytes = 2 * num_layers * self.k[0].numel() * self.k[0].element_size()
 
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -82,6 +85,11 @@ class PagedForward:
             # Where torch prefers cuDNN's attention (Hopper, recent cuDNN) it builds a costly plan for each new pair of
             # prompt and context lengths, and a server keeps seeing new ones.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        # On CPU decode attention reads context rows, of as much memory again as the paged cache at most.
+        self.rows = None
+        if kc.device.type == "cpu":
+            shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size, kc.dtype)
+            self.rows = attention.ContextRows(*shape, budget=cache.bytes)
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head
@@ -91,10 +99,15 @@ class PagedForward:
     def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (float32) of the rows `b.logits_at` names, written into `out` if given. Decode-only
         batches make no host sync on CUDA, so the same call can be captured in a CUDA graph."""
-        ctx: Context | None = None
-        if b.num_decode and not self.paged:
-            assert b.dec_table is not None and b.dec_lens is not None
-            ctx = attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
+        try:
+            return self._run(b, out)
+        except BaseException:
+            if self.rows is not None:  # a pass stopped part way leaves some layers' rows without the step's tokens
+                self.rows.clear()
+            raise
+
+    def _run(self, b: Batch, out: torch.Tensor | None) -> torch.Tensor:
+        ctx = None if self.paged else self._context(b)
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
@@ -106,6 +119,16 @@ class PagedForward:
         h = self.norm(h if b.logits_at is None else h[b.logits_at])
         logits = self.head(h)
         return logits.float() if out is None else out.copy_(logits)
+
+    def _context(self, b: Batch) -> Context | None:
+        """Where decode attention without the paged kernel reads its keys: the context rows, or else a gather."""
+        placed = None
+        if self.rows is not None:
+            placed = self.rows.place(b.dec_ids, b.dec_lens, b.dec_table, self.cache.k, self.cache.v)
+        if placed or not b.num_decode:
+            return placed
+        assert b.dec_table is not None and b.dec_lens is not None
+        return attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
 
     def _attention(
         self, attn: Any, proj: dense.Layer, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
@@ -124,10 +147,10 @@ class PagedForward:
         vc.index_copy_(0, b.slots, v)
         d = b.num_decode
         if d == t:  # decode only: no copy into a shared output
-            return self._decode(q, kc, vc, b, ctx).reshape(t, -1)
+            return self._decode(q, k, v, layer, b, ctx).reshape(t, -1)
         out = torch.empty_like(q)
         if d:
-            out[:d] = self._decode(q[:d], kc, vc, b, ctx)
+            out[:d] = self._decode(q[:d], k[:d], v[:d], layer, b, ctx)
         for start, end, context, mask in b.prefills:
             kp = kc.index_select(0, context).transpose(0, 1)[None]  # [1, kvh, L, hd]
             vp = vc.index_select(0, context).transpose(0, 1)[None]
@@ -149,7 +172,14 @@ class PagedForward:
             out[start:end] = o[0].transpose(0, 1)
         return out.reshape(t, -1)
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: Batch, ctx: Context | None):
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, b: Batch, ctx: Context | None
+    ) -> torch.Tensor:
+        """Decode attention of the step's first q.shape[0] tokens, whose new k, v the paged cache already holds."""
+        if isinstance(ctx, attention.Placement):
+            assert self.rows is not None
+            return self.rows.attend(layer, q, k, v, ctx, self.scaling)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
         if ctx is not None:
             return attention.decode_sdpa(q, kc, vc, ctx[0], ctx[1], self.scaling)
         assert b.dec_table is not None and b.dec_lens is not None

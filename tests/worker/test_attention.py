@@ -91,3 +91,55 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
 
     monkeypatch.setattr(attention, "decode_paged", broken)
     assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
+
+
+def test_context_rows_follow_sequences_as_they_join_grow_and_leave():
+    # Two layers of a paged cache; sequences decode a token per step while others join (their context copied in)
+    # and leave (a later row moving down into the gap), past the rows' first capacity in both sequences and tokens.
+    torch.manual_seed(3)
+    layers, kv_heads, head_dim, blocks = 2, 3, 64, 256
+    kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim) for _ in range(layers)]
+    vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim) for _ in range(layers)]
+    rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, torch.float32, budget=1 << 30)
+    free = iter(torch.randperm(blocks).tolist())
+    seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)
+    schedule = {0: ["a", "b", "c"], 3: ["d"], 5: [f"e{i}" for i in range(9)], 9: [], 12: ["f"]}
+    leaving = {4: ["a"], 7: ["c", "e3"], 10: ["b", "e0", "e8"]}
+    for step in range(40):
+        for i in schedule.get(step, []):
+            n = int(torch.randint(1, 100, ()))
+            seqs[i] = ([next(free) for _ in range(-(-n // BLOCK))], n)
+        for i in leaving.get(step, []):
+            del seqs[i]
+        ids = list(seqs)
+        for i in ids:  # this step's token, written to the paged cache as the forward pass does
+            owned, n = seqs[i]
+            if n % BLOCK == 0:
+                owned.append(next(free))
+            seqs[i] = (owned, n + 1)
+        lens = torch.tensor([seqs[i][1] for i in ids], dtype=torch.int32)
+        width = max(len(seqs[i][0]) for i in ids)
+        table = torch.tensor([seqs[i][0] + [0] * (width - len(seqs[i][0])) for i in ids], dtype=torch.int32)
+        new = [(owned[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK) for owned, n in (seqs[i] for i in ids)]
+        k_new = [torch.randn(len(ids), kv_heads, head_dim) for _ in range(layers)]
+        v_new = [torch.randn(len(ids), kv_heads, head_dim) for _ in range(layers)]
+        for layer in range(layers):
+            kc[layer][new], vc[layer][new] = k_new[layer], v_new[layer]
+        at = rows.place(ids, lens, table, kc, vc)
+        assert at is not None
+        q = torch.randn(len(ids), 9, head_dim)
+        for layer in range(layers):
+            got = rows.attend(layer, q, k_new[layer], v_new[layer], at, 0.125)
+            torch.testing.assert_close(got, own_keys_attention(q, kc[layer], vc[layer], table, lens, 0.125))
+    assert rows.k[0].shape[0] > attention.ContextRows.ROWS and rows.k[0].shape[2] > attention.ContextRows.TOKENS
+
+
+def test_context_rows_past_their_budget_leave_the_step_to_the_gather():
+    kc, vc = [torch.randn(16 * BLOCK, 3, 64)], [torch.randn(16 * BLOCK, 3, 64)]
+    per_row = 2 * attention.ContextRows.TOKENS * 3 * 64 * 4
+    rows = attention.ContextRows(1, 3, 64, BLOCK, torch.float32, budget=attention.ContextRows.ROWS * per_row)
+    table = torch.arange(16, dtype=torch.int32).view(8, 2)
+    assert rows.place([str(i) for i in range(8)], torch.full((8,), 20, dtype=torch.int32), table, kc, vc)
+    wide = torch.arange(16, dtype=torch.int32).view(1, 16)  # 256 tokens: twice the room of a row
+    assert rows.place(["long"], torch.tensor([250], dtype=torch.int32), wide, kc, vc) is None
+    assert rows.row_of == {}

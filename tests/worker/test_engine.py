@@ -79,9 +79,13 @@ def test_batched_greedy_equals_generate(model, prompts, reference, chunk):
     assert [done[str(i)].output_ids for i in range(len(prompts))] == reference
     assert all(done[str(i)].finish is Finish.length for i in range(len(prompts)))
     assert engine.blocks.available() == engine.blocks.num_blocks
+    assert engine.forward.rows is None or engine.forward.rows.k, "decode attention on CPU reads the context rows"
 
 
-def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model, prompts, reference, monkeypatch):
+@pytest.mark.parametrize("context", ["rows", "gathered"])
+def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(
+    model, prompts, reference, monkeypatch, context
+):
     # The pool is never smaller than one max_model_len sequence, so a small kv_tokens binds only with a small
     # max_model_len. The prompts are 36 to 41 tokens and end 24 tokens later in 4 or 5 blocks, the first block
     # (system prompt) shared: 9 blocks hold two sequences whole. Admission's reserve of a block per running
@@ -90,6 +94,10 @@ def test_sequences_beyond_cache_room_wait_or_are_preempted_and_still_match(model
     assert max(map(len, prompts)) + NEW <= 80
     engine = Engine(model, kv_tokens=144, block_size=16, prefill_chunk=16, max_model_len=80)
     assert engine.blocks.num_blocks == 9
+    # Context rows are held to the paged cache's size, too small here for even their first capacity.
+    rows = engine.forward.rows
+    if rows is not None:
+        monkeypatch.setattr(rows, "budget", 1 << 30 if context == "rows" else 0)
     preempted_after: list[int] = []  # output tokens each preempted sequence had, to be recomputed
     preempted_lens: list[int] = []  # and its whole length, asked of the prefix cache again when readmitted
     preempt = engine._preempt
