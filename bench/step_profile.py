@@ -3,12 +3,14 @@
 Run from the repository root:
 
     .venv/bin/python bench/step_profile.py [--batch 1,8,32,64] [--steps 12] [--context 100] [--dtype float32]
+                                           [--runs 1] [--context-in rows,gathered]
 
 A real worker's engine loop (runner, engine, detokenizer, parsers, publisher) runs B streamed, greedy,
 `ignore_eos` jobs against a real Redis; once all of them decode, each phase of its steps is timed:
 
 - forward: the model's pass over the paged cache, of which attention is the decode attention (placing contexts
-  in their rows, or gathering them, included), and dense is the rest (projections, MLPs, norms, rotary, the output head);
+  in their rows, or gathering them, included), and dense is the rest (projections, MLPs, norms, rotary, the output
+  head);
 - sampling: logits processing and the pick;
 - text: detokenize, parse and build each job's chunks;
 - redis: the step's one write (events, records, cancels read back);
@@ -18,7 +20,11 @@ Floors, measured in the same run between the levels:
 
 - gemm: the model's matrix multiplies alone at that batch, `torch.mm` on each weight of every layer in turn and on
   the output head, as a step reads them;
+- packed: the same products through the engine's own kernels (oneDNN's packed weights, on CPU);
 - hf: a bare transformers forward of one token per row over its own cache of `--context` tokens.
+
+`--context-in rows,gathered` runs each level twice in turn: decode attention reading the engine's context rows, and
+gathering each context from the paged cache instead, as a batch does whose rows would not fit.
 
 The last column is where the step exceeds the GEMM floor. Target (issue 21): the step at 32 within 1.3x of gemm.
 """
@@ -239,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=100, help="prompt tokens per sequence")
     parser.add_argument("--dtype", default="float32", help="CHATQ_DTYPE for the engine and the floors")
     parser.add_argument("--runs", type=int, default=1, help="rounds over every level (reported one by one)")
+    parser.add_argument(
+        "--context-in",
+        type=lambda s: s.split(","),
+        default=["rows"],
+        help="where CPU decode attention reads the context: rows (the engine's), gathered, or both in turn",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
 
@@ -248,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_levels(args, Settings(redis_url=server.url, dtype=args.dtype), dtype)
         finally:
             server.stop()
-    headers = ["batch", *[f"{p} ms" for p in PHASES], "gemm ms", "packed ms", "hf ms"]
+    headers = ["context", "batch", *[f"{p} ms" for p in PHASES], "gemm ms", "packed ms", "hf ms"]
     headers += ["step/gemm", "step/packed", "loop/gemm", "step/hf"]
     print(table([*headers, "over the gemm floor, ms"], rows))
     return 0
@@ -263,16 +275,20 @@ def run_levels(args: argparse.Namespace, settings: Settings, dtype: torch.dtype)
     clocks = Clocks()
     instrument(runner, clocks)
     bare: Any = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).eval()
+    context_rows = runner.engine.forward.rows
     rows = []
     try:
         for _ in range(args.runs):
             for batch in args.batch:
-                spent = profile_level(runner, r, clocks, args, batch)
-                gemm = gemm_floor(bare, batch, dtype)
-                packed = packed_floor(bare, batch, dtype)
-                hf = hf_step(bare, batch, args.context)
-                rows.append(row(batch, spent, gemm, packed, hf))
-                print(f"  batch {batch}: step {spent['step']:.1f} ms, gemm {gemm:.1f}, packed {packed:.1f}", flush=True)
+                for context in args.context_in:
+                    # Between levels no sequence decodes, so the engine thread sees the switch at a step boundary.
+                    runner.engine.forward.rows = context_rows if context == "rows" else None
+                    spent = profile_level(runner, r, clocks, args, batch)
+                    gemm = gemm_floor(bare, batch, dtype)
+                    packed = packed_floor(bare, batch, dtype)
+                    hf = hf_step(bare, batch, args.context)
+                    rows.append([context, *row(batch, spent, gemm, packed, hf)])
+                    print(f"  batch {batch}, {context}: step {spent['step']:.1f} ms, gemm {gemm:.1f}", flush=True)
     finally:
         runner.stop()
     return rows

@@ -94,11 +94,11 @@ def _decode_sdpa(q, kc, vc, ctx, mask, scale: float, block: int) -> torch.Tensor
 
 @dataclass
 class Placement:
-    """Where one step's decoding sequences sit in the context rows: sequence j of the batch in row `rows[j]`, its
-    new token at `pos[j]`; rows 0..count-1 are all in use."""
+    """Where one step's decoding sequences sit in the context rows: sequence j of the batch in row `rows[j]`; rows
+    0..D-1 are all in use."""
 
     rows: torch.Tensor  # [D]
-    pos: torch.Tensor  # [D]
+    writes: torch.Tensor  # [D * KVH] where each sequence's new key of each KV head goes, in a layer's flat rows
     mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them
     width: int
 
@@ -147,7 +147,10 @@ class ContextRows:
         row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
         mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
         mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
-        return Placement(rows, lens.long() - 1, mask, width)
+        # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
+        heads, tokens = self.kv_heads, self.k[0].shape[2]
+        writes = (rows[:, None] * heads + torch.arange(heads)) * tokens + (lens.long() - 1)[:, None]
+        return Placement(rows, writes.flatten(), mask, width)
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
@@ -200,8 +203,8 @@ class ContextRows:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Placement, scale: float):
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
-        kr[at.rows, :, at.pos] = k
-        vr[at.rows, :, at.pos] = v
+        kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim))
+        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim))
         count, heads = q.shape[:2]
         by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
