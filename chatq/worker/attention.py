@@ -108,7 +108,8 @@ class ContextRows:
 
     Gathering every context from the paged cache, per layer per step, costs more than the attention that reads it;
     here a sequence's context is copied once, when it starts decoding, and each step adds its new token. A sequence
-    missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers.
+    missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers. A step
+    that fails part way has written only its new tokens' places, which the step run again writes over.
     """
 
     ROWS, TOKENS = 8, 128  # capacity grows in these steps
@@ -137,13 +138,13 @@ class ContextRows:
         fit the budget."""
         alive = set(ids)
         self.row_of = {i: r for i, r in self.row_of.items() if i in alive}
-        if not ids or lens is None or table is None or not self._reserve(len(ids), table.shape[1] * self.block):
+        width = 0 if table is None else table.shape[1] * self.block
+        if not ids or lens is None or table is None or not self._reserve(len(ids), width):
             self.clear()
             return None
         self._compact(len(ids))
-        self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, kc, vc)
+        self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, width, kc, vc)
         rows = torch.tensor([self.row_of[i] for i in ids])
-        width = table.shape[1] * self.block
         row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
         mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
         mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
@@ -170,8 +171,9 @@ class ContextRows:
             return new
 
         none: list[torch.Tensor | None] = [None] * self.layers
-        self.k = [grown(old) for old in self.k or none]
-        self.v = [grown(old) for old in self.v or none]
+        # Both built before either is kept: running out of memory half way must leave the old rows whole.
+        k, v = [grown(old) for old in self.k or none], [grown(old) for old in self.v or none]
+        self.k, self.v = k, v
         return True
 
     def _compact(self, count: int) -> None:
@@ -186,21 +188,32 @@ class ContextRows:
             rows.index_copy_(0, dst, rows.index_select(0, src))
         self.row_of.update({i: d for i, _, d in moves})
 
-    def _join(self, joining: list[int], ids: list[str], table, kc: list[torch.Tensor], vc: list[torch.Tensor]) -> None:
+    def _join(
+        self,
+        joining: list[int],
+        ids: list[str],
+        table: torch.Tensor,
+        width: int,
+        kc: list[torch.Tensor],
+        vc: list[torch.Tensor],
+    ) -> None:
+        """Copies the contexts of the batch's sequences `joining` (indices into ids) into free rows below len(ids)."""
         if not joining:
             return
         taken = set(self.row_of.values())
         free = [r for r in range(len(ids)) if r not in taken][: len(joining)]
         blocks = table[joining].flatten()
         rows = torch.tensor(free)
-        n = table.shape[1] * self.block
         for cache, kept in ((kc, self.k), (vc, self.v)):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
-                kept[layer][:, :, :n].index_copy_(0, rows, ctx.view(len(joining), n, *whole.shape[1:]).transpose(1, 2))
+                ctx = ctx.view(len(joining), width, *whole.shape[1:]).transpose(1, 2)
+                kept[layer][:, :, :width].index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Placement, scale: float):
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Placement, scale: float
+    ) -> torch.Tensor:
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
         kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim))

@@ -99,14 +99,6 @@ class PagedForward:
     def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (float32) of the rows `b.logits_at` names, written into `out` if given. Decode-only
         batches make no host sync on CUDA, so the same call can be captured in a CUDA graph."""
-        try:
-            return self._run(b, out)
-        except BaseException:
-            if self.rows is not None:  # a pass stopped part way leaves some layers' rows without the step's tokens
-                self.rows.clear()
-            raise
-
-    def _run(self, b: Batch, out: torch.Tensor | None) -> torch.Tensor:
         ctx = None if self.paged else self._context(b)
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])

@@ -103,7 +103,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave():
     rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, torch.float32, budget=1 << 30)
     free = iter(torch.randperm(blocks).tolist())
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)
-    schedule = {0: ["a", "b", "c"], 3: ["d"], 5: [f"e{i}" for i in range(9)], 9: [], 12: ["f"]}
+    schedule = {0: ["a", "b", "c"], 3: ["d"], 5: [f"e{i}" for i in range(9)], 12: ["f"]}
     leaving = {4: ["a"], 7: ["c", "e3"], 10: ["b", "e0", "e8"]}
     for step in range(40):
         for i in schedule.get(step, []):
