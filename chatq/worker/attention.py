@@ -3,7 +3,7 @@
 On CUDA a Triton kernel reads each sequence's keys in place through its block-table row, where SDPA would first
 gather every context, per layer per step, at more cost than the attention at large batches. Its loop bounds come
 from device-side lengths, so a CUDA graph replays it at any length. On CPU each decoding sequence's keys stay in a
-contiguous row of their own for SDPA (ContextRows), gathered from the blocks only where rows would take too much memory.
+contiguous row of their own (ContextRows), gathered from the blocks only where rows would take too much memory.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class Placement:
     0..D-1 are all in use."""
 
     rows: torch.Tensor  # [D]
-    writes: torch.Tensor  # [D * KVH] where each sequence's new key of each KV head goes, in a layer's flat rows
+    writes: torch.Tensor  # [D * KVH] where each sequence's new value of each KV head goes, in a layer's flat rows
+    key_writes: torch.Tensor  # [D * KVH * head_dim] where each element of the new keys goes, in a layer's flat keys
     mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them
     width: int
 
@@ -110,15 +111,18 @@ class ContextRows:
     here a sequence's context is copied once, when it starts decoding, and each step adds its new token. A sequence
     missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers. A step
     that fails part way has written only its new tokens' places, which the step run again writes over.
+
+    Keys are kept transposed, so that the scores are one plain batched product per layer; rows are float32 whatever
+    the model's dtype, as CPU matmuls of these shapes run no faster in bf16 and bf16 scores would lose precision.
     """
 
     ROWS, TOKENS = 8, 128  # capacity grows in these steps
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, budget: int):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, budget: int):
         self.layers, self.kv_heads, self.head_dim, self.block = layers, kv_heads, head_dim, block_size
-        self.dtype, self.budget = dtype, budget
-        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
-        self.v: list[torch.Tensor] = []
+        self.budget = budget
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, head_dim, tokens]
+        self.v: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
         self.row_of: dict[str, int] = {}
 
     def clear(self) -> None:
@@ -146,33 +150,36 @@ class ContextRows:
         self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, width, kc, vc)
         rows = torch.tensor([self.row_of[i] for i in ids])
         row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
-        mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
+        mask = torch.zeros(len(ids), 1, 1, width)
         mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
         # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
-        heads, tokens = self.kv_heads, self.k[0].shape[2]
-        writes = (rows[:, None] * heads + torch.arange(heads)) * tokens + (lens.long() - 1)[:, None]
-        return Placement(rows, writes.flatten(), mask, width)
+        heads, tokens = self.kv_heads, self.v[0].shape[2]
+        row_heads = rows[:, None] * heads + torch.arange(heads)  # [D, KVH]
+        at = (lens.long() - 1)[:, None]
+        key_at = (row_heads[..., None] * self.head_dim + torch.arange(self.head_dim)) * tokens + at[..., None]
+        return Placement(rows, (row_heads * tokens + at).flatten(), key_at.flatten(), mask, width)
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
-        have_rows, have_tokens = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        have_rows, have_tokens = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
         if rows <= have_rows and tokens <= have_tokens:
             return True
         rows = max(have_rows, -(-rows // self.ROWS) * self.ROWS)
         tokens = max(have_tokens, -(-tokens // self.TOKENS) * self.TOKENS)
-        size = 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * torch.finfo(self.dtype).bits // 8
-        if size > self.budget:
+        if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * 4 > self.budget:
             return False
 
-        def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = torch.zeros(rows, self.kv_heads, tokens, self.head_dim, dtype=self.dtype)
+        def grown(old: torch.Tensor | None, keys: bool) -> torch.Tensor:
+            shape = (self.head_dim, tokens) if keys else (tokens, self.head_dim)
+            new = torch.zeros(rows, self.kv_heads, *shape)
             if old is not None:
-                new[: old.shape[0], :, : old.shape[2]] = old
+                new[: old.shape[0], :, : old.shape[2], : old.shape[3]] = old
             return new
 
         none: list[torch.Tensor | None] = [None] * self.layers
         # Both built before either is kept: running out of memory half way must leave the old rows whole.
-        k, v = [grown(old) for old in self.k or none], [grown(old) for old in self.v or none]
+        k = [grown(old, keys=True) for old in self.k or none]
+        v = [grown(old, keys=False) for old in self.v or none]
         self.k, self.v = k, v
         return True
 
@@ -204,11 +211,12 @@ class ContextRows:
         free = [r for r in range(len(ids)) if r not in taken][: len(joining)]
         blocks = table[joining].flatten()
         rows = torch.tensor(free)
-        for cache, kept in ((kc, self.k), (vc, self.v)):
+        for cache, kept, order in ((kc, self.k, (0, 2, 3, 1)), (vc, self.v, (0, 2, 1, 3))):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
-                ctx = ctx.view(len(joining), width, *whole.shape[1:]).transpose(1, 2)
-                kept[layer][:, :, :width].index_copy_(0, rows, ctx)
+                ctx = ctx.view(len(joining), width, *whole.shape[1:]).permute(order).float()
+                into = kept[layer][..., :width] if kept is self.k else kept[layer][:, :, :width]
+                into.index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
     def attend(
@@ -216,16 +224,15 @@ class ContextRows:
     ) -> torch.Tensor:
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
-        kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim))
-        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim))
+        kr.view(-1).index_copy_(0, at.key_writes, k.reshape(-1).float())
+        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim).float())
         count, heads = q.shape[:2]
-        by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
+        by_row = torch.empty(q.shape).index_copy_(0, at.rows, q.float())
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
         grouped = by_row.view(count, self.kv_heads, heads // self.kv_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(
-            grouped, kr[:count, :, : at.width], vr[:count, :, : at.width], attn_mask=at.mask, scale=scale
-        )
-        return o.view(count, heads, self.head_dim).index_select(0, at.rows)
+        scores = torch.matmul(grouped, kr[:count, :, :, : at.width]).mul_(scale).add_(at.mask)
+        o = torch.matmul(torch.softmax(scores, -1), vr[:count, :, : at.width])
+        return o.view(count, heads, self.head_dim).index_select(0, at.rows).to(q.dtype)
 
 
 if triton is not None:
