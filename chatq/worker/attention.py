@@ -155,9 +155,9 @@ class ContextRows:
         # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
         heads, tokens = self.kv_heads, self.v[0].shape[2]
         row_heads = rows[:, None] * heads + torch.arange(heads)  # [D, KVH]
-        at = (lens.long() - 1)[:, None]
-        key_at = (row_heads[..., None] * self.head_dim + torch.arange(self.head_dim)) * tokens + at[..., None]
-        return Placement(rows, (row_heads * tokens + at).flatten(), key_at.flatten(), mask, width)
+        new = (lens.long() - 1)[:, None]  # the new token's place in its row
+        key_at = (row_heads[..., None] * self.head_dim + torch.arange(self.head_dim)) * tokens + new[..., None]
+        return Placement(rows, (row_heads * tokens + new).flatten(), key_at.flatten(), mask, width)
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
@@ -211,12 +211,12 @@ class ContextRows:
         free = [r for r in range(len(ids)) if r not in taken][: len(joining)]
         blocks = table[joining].flatten()
         rows = torch.tensor(free)
-        for cache, kept, order in ((kc, self.k, (0, 2, 3, 1)), (vc, self.v, (0, 2, 1, 3))):
+        # (paged cache, rows, the order of a gathered context's dims in them, the rows' token dim)
+        for cache, kept, order, dim in ((kc, self.k, (0, 2, 3, 1), 3), (vc, self.v, (0, 2, 1, 3), 2)):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
                 ctx = ctx.view(len(joining), width, *whole.shape[1:]).permute(order).float()
-                into = kept[layer][..., :width] if kept is self.k else kept[layer][:, :, :width]
-                into.index_copy_(0, rows, ctx)
+                kept[layer].narrow(dim, 0, width).index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
     def attend(

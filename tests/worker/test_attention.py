@@ -93,13 +93,15 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
     assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
 
 
-def test_context_rows_follow_sequences_as_they_join_grow_and_leave():
+# A bf16 model's rows are float32: its outputs differ from float32 attention over the same values by bf16's rounding.
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, None), (torch.bfloat16, 1e-2)])
+def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
     # Two layers of a paged cache; sequences decode a token per step while others join (their context copied in)
     # and leave (a later row moving down into the gap), past the rows' first capacity in both sequences and tokens.
     torch.manual_seed(3)
     layers, kv_heads, head_dim, blocks = 2, 3, 64, 256
-    kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim) for _ in range(layers)]
-    vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim) for _ in range(layers)]
+    kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
+    vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
     rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, budget=1 << 30)
     free = iter(torch.randperm(blocks).tolist())
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)
@@ -121,16 +123,18 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave():
         width = max(len(seqs[i][0]) for i in ids)
         table = torch.tensor([seqs[i][0] + [0] * (width - len(seqs[i][0])) for i in ids], dtype=torch.int32)
         new = [(owned[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK) for owned, n in (seqs[i] for i in ids)]
-        k_new = [torch.randn(len(ids), kv_heads, head_dim) for _ in range(layers)]
-        v_new = [torch.randn(len(ids), kv_heads, head_dim) for _ in range(layers)]
+        k_new = [torch.randn(len(ids), kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
+        v_new = [torch.randn(len(ids), kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
         for layer in range(layers):
             kc[layer][new], vc[layer][new] = k_new[layer], v_new[layer]
         at = rows.place(ids, lens, table, kc, vc)
         assert at is not None
-        q = torch.randn(len(ids), 9, head_dim)
+        q = torch.randn(len(ids), 9, head_dim, dtype=dtype)
         for layer in range(layers):
             got = rows.attend(layer, q, k_new[layer], v_new[layer], at, 0.125)
-            torch.testing.assert_close(got, own_keys_attention(q, kc[layer], vc[layer], table, lens, 0.125))
+            want = own_keys_attention(q.float(), kc[layer].float(), vc[layer].float(), table, lens, 0.125)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert rows.k[0].shape[0] > attention.ContextRows.ROWS and rows.v[0].shape[2] > attention.ContextRows.TOKENS
 
 
