@@ -16,7 +16,7 @@ A real worker's engine loop (runner, engine, detokenizer, parsers, publisher) ru
 - redis: the step's one write (events, records, cancels read back);
 - idle: the loop's own time outside those; loop is the whole, per step.
 
-Floors, measured in the same run between the levels:
+Floors, measured in the same run between the levels, in a process of their own:
 
 - gemm: the model's matrix multiplies alone at that batch, `torch.mm` on each weight of every layer in turn and on
   the output head, as a step reads them;
@@ -34,11 +34,13 @@ where the step exceeds the GEMM floor. Target (issue 21): the step at 32 within 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,20 @@ def hf_step(model: Any, batch: int, context: int, repeats: int = 3) -> float:
         return best_of(repeats, step) * 1e3
 
 
+_bare: dict[tuple[str, str], Any] = {}
+
+
+def floors(model_dir: str, dtype_name: str, batch: int, context: int) -> tuple[float, float, float]:
+    """The three floors at `batch` rows (gemm, packed, hf), in the floor process."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, dtype_name)
+    if (model_dir, dtype_name) not in _bare:
+        _bare[model_dir, dtype_name] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    bare = _bare[model_dir, dtype_name]
+    return gemm_floor(bare, batch, dtype), packed_floor(bare, batch, dtype), hf_step(bare, batch, context)
+
+
 def row(batch: int, spent: dict[str, float], gemm: float, packed: float, hf: float) -> list[object]:
     over = {k: spent.get(k, 0.0) for k in ("attention", "sampling", "text", "redis", "idle")}
     over["dense"] = spent["dense"] - gemm
@@ -257,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         help="where CPU decode attention reads the context: rows (the engine's), gathered, or both in turn",
     )
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
 
-    with tempfile.TemporaryDirectory(prefix="chatq-step-profile-") as tmp:
+    # The floors run in a process of their own: torch keeps a compute-thread pool per calling thread, and a second
+    # pool in this process would slow the engine thread's steps (docs/performance.md).
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="chatq-step-profile-") as tmp, ProcessPoolExecutor(1, spawn) as floor:
         server = EmbeddedRedis(Path(tmp), persist=False).start()
         try:
-            rows = run_levels(args, Settings(redis_url=server.url, dtype=args.dtype), dtype)
+            rows = run_levels(args, Settings(redis_url=server.url, dtype=args.dtype), floor)
         finally:
             server.stop()
     headers = ["context", "batch", *[f"{p} ms" for p in PHASES], "fastest step ms", "gemm ms", "packed ms", "hf ms"]
@@ -271,9 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_levels(args: argparse.Namespace, settings: Settings, dtype: torch.dtype) -> list[list[object]]:
-    from transformers import AutoModelForCausalLM
-
+def run_levels(args: argparse.Namespace, settings: Settings, floor_process: Executor) -> list[list[object]]:
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     runner = build_runner(settings, r, WORKER)
     runner.start()
@@ -281,7 +297,6 @@ def run_levels(args: argparse.Namespace, settings: Settings, dtype: torch.dtype)
     context_rows = forward.rows
     clocks = Clocks()
     instrument(runner, clocks)
-    bare: Any = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).eval()
     rows = []
     try:
         for _ in range(args.runs):
@@ -290,9 +305,8 @@ def run_levels(args: argparse.Namespace, settings: Settings, dtype: torch.dtype)
                     # Between levels no sequence decodes, so the engine thread sees the switch at a step boundary.
                     forward.rows = context_rows if context == "rows" else None
                     spent = profile_level(runner, r, clocks, args, batch)
-                    gemm = gemm_floor(bare, batch, dtype)
-                    packed = packed_floor(bare, batch, dtype)
-                    hf = hf_step(bare, batch, args.context)
+                    measured = floor_process.submit(floors, str(settings.model_dir), args.dtype, batch, args.context)
+                    gemm, packed, hf = measured.result()
                     rows.append([context, *row(batch, spent, gemm, packed, hf)])
                     print(f"  batch {batch}, {context}: step {spent['step']:.1f} ms, gemm {gemm:.1f}", flush=True)
     finally:
