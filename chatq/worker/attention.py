@@ -112,16 +112,18 @@ class ContextRows:
     missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers. A step
     that fails part way has written only its new tokens' places, which the step run again writes over.
 
-    Keys are kept transposed, so that the scores are one plain batched product per layer; rows are float32 whatever
-    the model's dtype, as CPU matmuls of these shapes run no faster in bf16 and bf16 scores would lose precision.
+    Rows are in the model's dtype. In float32 keys are kept transposed, so that the scores are one plain batched
+    product per layer. In bf16 (or fp16) both keep the paged cache's layout and go to SDPA, whose CPU kernel keeps
+    scores and sums in float32: a product in bf16 would round its scores to bf16.
     """
 
     ROWS, TOKENS = 8, 128  # capacity grows in these steps
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, budget: int):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, budget: int, dtype: torch.dtype):
         self.layers, self.kv_heads, self.head_dim, self.block = layers, kv_heads, head_dim, block_size
-        self.budget = budget
-        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, head_dim, tokens]
+        self.budget, self.dtype = budget, dtype
+        self.transposed = dtype == torch.float32
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, head_dim, tokens] if transposed, else as v
         self.v: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
         self.row_of: dict[str, int] = {}
 
@@ -150,7 +152,7 @@ class ContextRows:
         self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, width, kc, vc)
         rows = torch.tensor([self.row_of[i] for i in ids])
         row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
-        mask = torch.zeros(len(ids), 1, 1, width)
+        mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
         mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
         # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
         heads, tokens = self.kv_heads, self.v[0].shape[2]
@@ -166,12 +168,12 @@ class ContextRows:
             return True
         rows = max(have_rows, -(-rows // self.ROWS) * self.ROWS)
         tokens = max(have_tokens, -(-tokens // self.TOKENS) * self.TOKENS)
-        if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * 4 > self.budget:
+        if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize > self.budget:
             return False
 
         def grown(old: torch.Tensor | None, keys: bool) -> torch.Tensor:
-            shape = (self.head_dim, tokens) if keys else (tokens, self.head_dim)
-            new = torch.zeros(rows, self.kv_heads, *shape)
+            shape = (self.head_dim, tokens) if keys and self.transposed else (tokens, self.head_dim)
+            new = torch.zeros(rows, self.kv_heads, *shape, dtype=self.dtype)
             if old is not None:
                 new[: old.shape[0], :, : old.shape[2], : old.shape[3]] = old
             return new
@@ -212,10 +214,11 @@ class ContextRows:
         blocks = table[joining].flatten()
         rows = torch.tensor(free)
         # (paged cache, rows, the order of a gathered context's dims in them, the rows' token dim)
-        for cache, kept, order, dim in ((kc, self.k, (0, 2, 3, 1), 3), (vc, self.v, (0, 2, 1, 3), 2)):
+        keys = ((0, 2, 3, 1), 3) if self.transposed else ((0, 2, 1, 3), 2)
+        for cache, kept, order, dim in ((kc, self.k, *keys), (vc, self.v, (0, 2, 1, 3), 2)):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
-                ctx = ctx.view(len(joining), width, *whole.shape[1:]).permute(order).float()
+                ctx = ctx.view(len(joining), width, *whole.shape[1:]).permute(order).to(self.dtype)
                 kept[layer].narrow(dim, 0, width).index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
@@ -224,14 +227,22 @@ class ContextRows:
     ) -> torch.Tensor:
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
-        kr.view(-1).index_copy_(0, at.key_writes, k.reshape(-1).float())
-        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim).float())
+        if self.transposed:
+            kr.view(-1).index_copy_(0, at.key_writes, k.reshape(-1).to(self.dtype))
+        else:
+            kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim).to(self.dtype))
+        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim).to(self.dtype))
         count, heads = q.shape[:2]
-        by_row = torch.empty(q.shape).index_copy_(0, at.rows, q.float())
+        by_row = torch.empty(q.shape, dtype=self.dtype).index_copy_(0, at.rows, q.to(self.dtype))
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
         grouped = by_row.view(count, self.kv_heads, heads // self.kv_heads, self.head_dim)
-        scores = torch.matmul(grouped, kr[:count, :, :, : at.width]).mul_(scale).add_(at.mask)
-        o = torch.matmul(torch.softmax(scores, -1), vr[:count, :, : at.width])
+        values = vr[:count, :, : at.width]
+        if self.transposed:
+            scores = torch.matmul(grouped, kr[:count, :, :, : at.width]).mul_(scale).add_(at.mask)
+            o = torch.matmul(torch.softmax(scores, -1), values)
+        else:
+            keys = kr[:count, :, : at.width]
+            o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=at.mask, scale=scale)
         return o.view(count, heads, self.head_dim).index_select(0, at.rows).to(q.dtype)
 
 

@@ -89,7 +89,7 @@ class PagedForward:
         self.rows = None
         if kc.device.type == "cpu":
             shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size)
-            self.rows = attention.ContextRows(*shape, budget=cache.bytes)
+            self.rows = attention.ContextRows(*shape, budget=cache.bytes, dtype=kc.dtype)
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head

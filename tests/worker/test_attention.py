@@ -93,7 +93,7 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
     assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
 
 
-# A bf16 model's rows are float32: its outputs differ from float32 attention over the same values by bf16's rounding.
+# A bf16 model's rows are bf16: its outputs differ from float32 attention over the same values by bf16's rounding.
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, None), (torch.bfloat16, 1e-2)])
 def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
     # Two layers of a paged cache; sequences decode a token per step while others join (their context copied in)
@@ -102,7 +102,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
     layers, kv_heads, head_dim, blocks = 2, 3, 64, 256
     kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
     vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
-    rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, budget=1 << 30)
+    rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, budget=1 << 30, dtype=dtype)
     free = iter(torch.randperm(blocks).tolist())
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)
     schedule = {0: ["a", "b", "c"], 3: ["d"], 5: [f"e{i}" for i in range(9)], 12: ["f"]}
@@ -133,7 +133,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
         for layer in range(layers):
             got = rows.attend(layer, q, k_new[layer], v_new[layer], at, 0.125)
             want = own_keys_attention(q.float(), kc[layer].float(), vc[layer].float(), table, lens, 0.125)
-            assert got.dtype == dtype
+            assert got.dtype == rows.k[layer].dtype == dtype
             torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert rows.k[0].shape[0] > attention.ContextRows.ROWS and rows.v[0].shape[2] > attention.ContextRows.TOKENS
 
@@ -141,7 +141,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
 def test_context_rows_past_their_budget_leave_the_step_to_the_gather():
     kc, vc = [torch.randn(16 * BLOCK, 3, 64)], [torch.randn(16 * BLOCK, 3, 64)]
     per_row = 2 * attention.ContextRows.TOKENS * 3 * 64 * 4
-    rows = attention.ContextRows(1, 3, 64, BLOCK, budget=attention.ContextRows.ROWS * per_row)
+    rows = attention.ContextRows(1, 3, 64, BLOCK, budget=attention.ContextRows.ROWS * per_row, dtype=torch.float32)
     table = torch.arange(16, dtype=torch.int32).view(8, 2)
     assert rows.place([str(i) for i in range(8)], torch.full((8,), 20, dtype=torch.int32), table, kc, vc)
     wide = torch.arange(16, dtype=torch.int32).view(1, 16)  # 256 tokens: twice the room of a row
