@@ -99,7 +99,6 @@ class Placement:
 
     rows: torch.Tensor  # [D]
     writes: torch.Tensor  # [D * KVH] where each sequence's new value of each KV head goes, in a layer's flat rows
-    key_writes: torch.Tensor  # [D * KVH * head_dim] where each element of the new keys goes, in a layer's flat keys
     mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them
     width: int
 
@@ -112,9 +111,8 @@ class ContextRows:
     missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers. A step
     that fails part way has written only its new tokens' places, which the step run again writes over.
 
-    Rows are in the model's dtype. In float32 keys are kept transposed, so that the scores are one plain batched
-    product per layer. In bf16 (or fp16) both keep the paged cache's layout and go to SDPA, whose CPU kernel keeps
-    scores and sums in float32: a product in bf16 would round its scores to bf16.
+    Rows are in the model's dtype and the paged cache's layout, and attention over them is SDPA's, whose CPU kernel
+    keeps scores and sums in float32 over bf16 keys and values.
     """
 
     ROWS, TOKENS = 8, 128  # capacity grows in these steps
@@ -122,8 +120,7 @@ class ContextRows:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, budget: int, dtype: torch.dtype):
         self.layers, self.kv_heads, self.head_dim, self.block = layers, kv_heads, head_dim, block_size
         self.budget, self.dtype = budget, dtype
-        self.transposed = dtype == torch.float32
-        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, head_dim, tokens] if transposed, else as v
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
         self.v: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
         self.row_of: dict[str, int] = {}
 
@@ -158,8 +155,7 @@ class ContextRows:
         heads, tokens = self.kv_heads, self.v[0].shape[2]
         row_heads = rows[:, None] * heads + torch.arange(heads)  # [D, KVH]
         new = (lens.long() - 1)[:, None]  # the new token's place in its row
-        key_at = (row_heads[..., None] * self.head_dim + torch.arange(self.head_dim)) * tokens + new[..., None]
-        return Placement(rows, (row_heads * tokens + new).flatten(), key_at.flatten(), mask, width)
+        return Placement(rows, (row_heads * tokens + new).flatten(), mask, width)
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
@@ -171,17 +167,16 @@ class ContextRows:
         if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize > self.budget:
             return False
 
-        def grown(old: torch.Tensor | None, keys: bool) -> torch.Tensor:
-            shape = (self.head_dim, tokens) if keys and self.transposed else (tokens, self.head_dim)
-            new = torch.zeros(rows, self.kv_heads, *shape, dtype=self.dtype)
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = torch.zeros(rows, self.kv_heads, tokens, self.head_dim, dtype=self.dtype)
             if old is not None:
-                new[: old.shape[0], :, : old.shape[2], : old.shape[3]] = old
+                new[: old.shape[0], :, : old.shape[2]] = old
             return new
 
         none: list[torch.Tensor | None] = [None] * self.layers
         # Both built before either is kept: running out of memory half way must leave the old rows whole.
-        k = [grown(old, keys=True) for old in self.k or none]
-        v = [grown(old, keys=False) for old in self.v or none]
+        k = [grown(old) for old in self.k or none]
+        v = [grown(old) for old in self.v or none]
         self.k, self.v = k, v
         return True
 
@@ -213,13 +208,11 @@ class ContextRows:
         free = [r for r in range(len(ids)) if r not in taken][: len(joining)]
         blocks = table[joining].flatten()
         rows = torch.tensor(free)
-        # (paged cache, rows, the order of a gathered context's dims in them, the rows' token dim)
-        keys = ((0, 2, 3, 1), 3) if self.transposed else ((0, 2, 1, 3), 2)
-        for cache, kept, order, dim in ((kc, self.k, *keys), (vc, self.v, (0, 2, 1, 3), 2)):
+        for cache, kept in ((kc, self.k), (vc, self.v)):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
-                ctx = ctx.view(len(joining), width, *whole.shape[1:]).permute(order).to(self.dtype)
-                kept[layer].narrow(dim, 0, width).index_copy_(0, rows, ctx)
+                ctx = ctx.view(len(joining), width, *whole.shape[1:]).transpose(1, 2)  # [J, KVH, width, head_dim]
+                kept[layer][:, :, :width].index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
     def attend(
@@ -227,23 +220,15 @@ class ContextRows:
     ) -> torch.Tensor:
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
-        if self.transposed:
-            kr.view(-1).index_copy_(0, at.key_writes, k.reshape(-1).to(self.dtype))
-        else:
-            kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim).to(self.dtype))
-        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim).to(self.dtype))
+        kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim))
+        vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim))
         count, heads = q.shape[:2]
-        by_row = torch.empty(q.shape, dtype=self.dtype).index_copy_(0, at.rows, q.to(self.dtype))
+        by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
         grouped = by_row.view(count, self.kv_heads, heads // self.kv_heads, self.head_dim)
-        values = vr[:count, :, : at.width]
-        if self.transposed:
-            scores = torch.matmul(grouped, kr[:count, :, :, : at.width]).mul_(scale).add_(at.mask)
-            o = torch.matmul(torch.softmax(scores, -1), values)
-        else:
-            keys = kr[:count, :, : at.width]
-            o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=at.mask, scale=scale)
-        return o.view(count, heads, self.head_dim).index_select(0, at.rows).to(q.dtype)
+        keys, values = kr[:count, :, : at.width], vr[:count, :, : at.width]
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=at.mask, scale=scale)
+        return o.view(count, heads, self.head_dim).index_select(0, at.rows)
 
 
 if triton is not None:
