@@ -180,8 +180,7 @@ def up(settings: Settings, with_flower: bool = True) -> int:
             _stop(services, gently=signalled[:1] == [signal.SIGINT])
         except KeyboardInterrupt:  # asked again while waiting (a worker finishing its jobs): stop waiting
             for p in services.values():
-                if p.poll() is None:
-                    p.kill()
+                _kill(p)
         finally:
             # Redis goes last, whatever happened above, and is not interrupted while it saves.
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -237,7 +236,14 @@ def _stop(services: dict[str, subprocess.Popen], gently: bool) -> None:
         try:
             p.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            p.kill()
+            _kill(p)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """SIGKILL, then reaped: once `up` returns, none of its services runs (a restart finds their ports free)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 def _url(host: str, port: int) -> str:
