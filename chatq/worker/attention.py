@@ -3,7 +3,7 @@
 On CUDA a Triton kernel reads each sequence's keys in place through its block-table row, where SDPA would first
 gather every context, per layer per step, at more cost than the attention at large batches. Its loop bounds come
 from device-side lengths, so a CUDA graph replays it at any length. On CPU each decoding sequence's keys stay in a
-contiguous row of their own (ContextRows), gathered from the blocks only where rows would take too much memory.
+contiguous row of their own for SDPA (ContextRows), gathered from the blocks only where rows would take too much memory.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Placement:
     0..D-1 are all in use."""
 
     rows: torch.Tensor  # [D]
-    writes: torch.Tensor  # [D * KVH] where each sequence's new value of each KV head goes, in a layer's flat rows
+    writes: torch.Tensor  # [D * KVH] where each sequence's new key and value of each KV head go, in a layer's rows
     mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them
     width: int
 
@@ -117,11 +117,11 @@ class ContextRows:
 
     ROWS, TOKENS = 8, 128  # capacity grows in these steps
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, budget: int, dtype: torch.dtype):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, budget: int):
         self.layers, self.kv_heads, self.head_dim, self.block = layers, kv_heads, head_dim, block_size
-        self.budget, self.dtype = budget, dtype
+        self.dtype, self.budget = dtype, budget
         self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
-        self.v: list[torch.Tensor] = []  # per layer [rows, kv_heads, tokens, head_dim]
+        self.v: list[torch.Tensor] = []
         self.row_of: dict[str, int] = {}
 
     def clear(self) -> None:
@@ -152,19 +152,19 @@ class ContextRows:
         mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
         mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
         # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
-        heads, tokens = self.kv_heads, self.v[0].shape[2]
-        row_heads = rows[:, None] * heads + torch.arange(heads)  # [D, KVH]
-        new = (lens.long() - 1)[:, None]  # the new token's place in its row
-        return Placement(rows, (row_heads * tokens + new).flatten(), mask, width)
+        heads, tokens = self.kv_heads, self.k[0].shape[2]
+        writes = (rows[:, None] * heads + torch.arange(heads)) * tokens + (lens.long() - 1)[:, None]
+        return Placement(rows, writes.flatten(), mask, width)
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
-        have_rows, have_tokens = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
+        have_rows, have_tokens = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
         if rows <= have_rows and tokens <= have_tokens:
             return True
         rows = max(have_rows, -(-rows // self.ROWS) * self.ROWS)
         tokens = max(have_tokens, -(-tokens // self.TOKENS) * self.TOKENS)
-        if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize > self.budget:
+        size = 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * torch.finfo(self.dtype).bits // 8
+        if size > self.budget:
             return False
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:
@@ -175,8 +175,7 @@ class ContextRows:
 
         none: list[torch.Tensor | None] = [None] * self.layers
         # Both built before either is kept: running out of memory half way must leave the old rows whole.
-        k = [grown(old) for old in self.k or none]
-        v = [grown(old) for old in self.v or none]
+        k, v = [grown(old) for old in self.k or none], [grown(old) for old in self.v or none]
         self.k, self.v = k, v
         return True
 
@@ -211,7 +210,7 @@ class ContextRows:
         for cache, kept in ((kc, self.k), (vc, self.v)):
             for layer, whole in enumerate(cache):
                 ctx = whole.view(-1, self.block, *whole.shape[1:]).index_select(0, blocks)
-                ctx = ctx.view(len(joining), width, *whole.shape[1:]).transpose(1, 2)  # [J, KVH, width, head_dim]
+                ctx = ctx.view(len(joining), width, *whole.shape[1:]).transpose(1, 2)
                 kept[layer][:, :, :width].index_copy_(0, rows, ctx)
         self.row_of.update({ids[j]: r for j, r in zip(joining, free, strict=True)})
 
@@ -226,8 +225,9 @@ class ContextRows:
         by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.
         grouped = by_row.view(count, self.kv_heads, heads // self.kv_heads, self.head_dim)
-        keys, values = kr[:count, :, : at.width], vr[:count, :, : at.width]
-        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=at.mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            grouped, kr[:count, :, : at.width], vr[:count, :, : at.width], attn_mask=at.mask, scale=scale
+        )
         return o.view(count, heads, self.head_dim).index_select(0, at.rows)
 
 

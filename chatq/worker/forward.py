@@ -88,8 +88,8 @@ class PagedForward:
         # On CPU decode attention reads context rows, of as much memory again as the paged cache at most.
         self.rows = None
         if kc.device.type == "cpu":
-            shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size)
-            self.rows = attention.ContextRows(*shape, budget=cache.bytes, dtype=kc.dtype)
+            shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size, kc.dtype)
+            self.rows = attention.ContextRows(*shape, budget=cache.bytes)
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head

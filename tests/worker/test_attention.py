@@ -102,7 +102,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
     layers, kv_heads, head_dim, blocks = 2, 3, 64, 256
     kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
     vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
-    rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, budget=1 << 30, dtype=dtype)
+    rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, dtype, budget=1 << 30)
     free = iter(torch.randperm(blocks).tolist())
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)
     schedule = {0: ["a", "b", "c"], 3: ["d"], 5: [f"e{i}" for i in range(9)], 12: ["f"]}
@@ -135,13 +135,13 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol):
             want = own_keys_attention(q.float(), kc[layer].float(), vc[layer].float(), table, lens, 0.125)
             assert got.dtype == rows.k[layer].dtype == dtype
             torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    assert rows.k[0].shape[0] > attention.ContextRows.ROWS and rows.v[0].shape[2] > attention.ContextRows.TOKENS
+    assert rows.k[0].shape[0] > attention.ContextRows.ROWS and rows.k[0].shape[2] > attention.ContextRows.TOKENS
 
 
 def test_context_rows_past_their_budget_leave_the_step_to_the_gather():
     kc, vc = [torch.randn(16 * BLOCK, 3, 64)], [torch.randn(16 * BLOCK, 3, 64)]
     per_row = 2 * attention.ContextRows.TOKENS * 3 * 64 * 4
-    rows = attention.ContextRows(1, 3, 64, BLOCK, budget=attention.ContextRows.ROWS * per_row, dtype=torch.float32)
+    rows = attention.ContextRows(1, 3, 64, BLOCK, torch.float32, budget=attention.ContextRows.ROWS * per_row)
     table = torch.arange(16, dtype=torch.int32).view(8, 2)
     assert rows.place([str(i) for i in range(8)], torch.full((8,), 20, dtype=torch.int32), table, kc, vc)
     wide = torch.arange(16, dtype=torch.int32).view(1, 16)  # 256 tokens: twice the room of a row

@@ -23,6 +23,13 @@ def test_greedy_takes_the_largest():
     assert pick(BASE) == 1
 
 
+def test_greedy_takes_the_first_of_equal_largest_in_a_greedy_and_in_a_mixed_batch():
+    tied = [0.0, 5.0, 1.0, 5.0] * 4000  # wide enough for the reduction to run in parallel chunks
+    assert pick(tied) == 1
+    rows = [Row(SamplingParams(max_tokens=10, temperature=t), None, [], []) for t in (0.0, 1.0)]
+    assert sample(torch.tensor([tied, tied]), rows)[0][0] == 1
+
+
 def test_logit_bias_can_forbid_and_force():
     assert pick(BASE, logit_bias={1: -100.0}) == 2
     assert pick(BASE, logit_bias={6: 100.0}) == 6
