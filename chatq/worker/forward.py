@@ -89,7 +89,8 @@ class PagedForward:
         self.rows = None
         if kc.device.type == "cpu":
             shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size, kc.dtype)
-            self.rows = attention.ContextRows(*shape, budget=cache.bytes)
+            kernel = attention.cpu_kernel() if attention.cpu_kernel_runs(self.head_dim, kc.dtype) else None
+            self.rows = attention.ContextRows(*shape, budget=cache.bytes, kernel=kernel)
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head
