@@ -29,7 +29,7 @@ CMD ["chatq", "flower"]
 
 FROM python AS worker-deps
 # Triton (the decode-attention kernel, and xgrammar's mask on CUDA) compiles its launcher with a C compiler at start;
-# on CPU the worker compiles its decode-attention kernel (chatq/worker/attention_cpu.cpp) with a C++ one.
+# on CPU the worker compiles its decode kernels (chatq/worker/cpu_kernels.cpp) with a C++ one.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev && rm -rf /var/lib/apt/lists/*
 # CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 # First, as the largest layer and the one that changes least.
@@ -44,7 +44,7 @@ RUN pip install --no-deps --force-reinstall .
 # The converted model lives in /cache, a volume in docker-compose.yml: made here so that a new volume takes its
 # owner, the user the worker runs as, and the model is converted once, by the first worker, not in every image.
 RUN mkdir /cache && chown chatq:chatq /cache
-# The CPU kernel is built once per kind of CPU, into the volume too.
+# The CPU kernels are built once per kind of CPU, into the volume too.
 ENV CHATQ_CACHE_DIR=/cache TORCH_EXTENSIONS_DIR=/cache/torch-extensions
 USER chatq
 CMD ["chatq", "worker"]

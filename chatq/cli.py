@@ -120,20 +120,20 @@ def flower_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]
 PREPARE = """
 import signal, sys
 from chatq.core.settings import Settings
-from chatq.worker.attention import cpu_kernel
+from chatq.worker import cpu_kernels
 from chatq.worker.model import ensure_model_dir
 # Stopped, it unwinds, so the conversion removes its half-written files on the way out.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 try:
     ensure_model_dir(Settings())
-    cpu_kernel()  # built now rather than in each worker's first minute
+    cpu_kernels.load()  # built now rather than in each worker's first minute
 except KeyboardInterrupt:
     sys.exit(130)
 """
 
 
 def prepare_model(settings: Settings) -> None:
-    """Converts the default model and builds the CPU attention kernel once, before anything needs them."""
+    """Converts the default model and builds the CPU kernels once, before anything needs them."""
     proc = subprocess.Popen(_python("-c", PREPARE))
     try:
         if proc.wait() != 0:
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("flower", help="start Flower")
     sub.add_parser("webhooks", help="start the worker that delivers background jobs' webhooks")
     sub.add_parser(
-        "prepare", help="convert the default model into the cache and build the CPU kernel (once per machine)"
+        "prepare", help="convert the default model into the cache and build the CPU kernels (once per machine)"
     )
     p_chat = sub.add_parser("chat", help="stream an answer from a running API")
     p_chat.add_argument("prompt")

@@ -335,3 +335,12 @@ def collect(parser: Parser, pieces: Iterable[str]) -> tuple[str | None, str | No
     deltas = [parser.feed(p) for p in pieces]
     deltas.append(parser.finish())
     return combine(deltas)
+
+
+def built_kernels() -> Any:
+    """chatq's CPU kernels, which `make setup` builds: a test that needs them fails where they did not build."""
+    from chatq.worker import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "chatq's CPU kernels did not build (they need a C++ compiler)"
+    return kernels

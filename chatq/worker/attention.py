@@ -8,13 +8,8 @@ contiguous row of their own for SDPA (ContextRows), gathered from the blocks onl
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import os
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,66 +93,6 @@ def _decode_sdpa(q, kc, vc, ctx, mask, scale: float, block: int) -> torch.Tensor
     return o.squeeze(2)
 
 
-# Built for the CPU it runs on (-march=native), so each kind of CPU gets a build of its own in torch's extension cache.
-CPU_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
-# Lets the compiler sum a dot product's lanes in any order, which vectorizing it takes.
-CPU_FLAGS += ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-
-
-def _cpu_model() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags} {CPU_FLAGS}".encode()).hexdigest()[:12]
-
-
-def cpu_kernel_runs(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether attention_cpu.cpp is built for this head size and dtype."""
-    return head_dim in (64, 128) and dtype in (torch.float32, torch.bfloat16)
-
-
-@functools.cache
-def cpu_kernel() -> Any | None:
-    """chatq's CPU decode-attention kernel (attention_cpu.cpp), compiled the first time on each kind of CPU and then
-    loaded from torch's extension cache (TORCH_EXTENSIONS_DIR); None where it cannot be built or fails its check,
-    and decode attention is SDPA's."""
-    try:
-        import ninja
-        from torch.utils import cpp_extension
-
-        # torch runs `ninja` from PATH; the ninja wheel puts it beside this interpreter, off PATH in a venv not
-        # activated.
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        source = str(Path(__file__).with_name("attention_cpu.cpp"))
-        kernel = cpp_extension.load(
-            f"chatq_attention_{_cpu_model()}", [source], extra_cflags=CPU_FLAGS, extra_ldflags=["-fopenmp"]
-        )
-        error = max(_kernel_error(kernel, dtype) for dtype in (torch.float32, torch.bfloat16))
-    except Exception as e:
-        log.warning("the CPU decode-attention kernel is not available (%s): decode attention runs through SDPA", e)
-        return None
-    if not error < 0.02:  # bf16 output rounding stays far below this
-        log.error("the CPU decode-attention kernel is off by %g: decode attention runs through SDPA", error)
-        return None
-    return kernel
-
-
-def _kernel_error(kernel: Any, dtype: torch.dtype) -> float:
-    """The kernel's largest difference from SDPA on rows of random keys, with grouped heads and uneven lengths."""
-    gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(3, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
-    q = torch.randn(2, 6, 64, generator=gen).to(dtype)
-    rows, lens = torch.tensor([2, 0]), torch.tensor([33, 1])
-    got = kernel.attend(q, k, v, rows, lens, 0.125).float()
-    errors = []
-    for j in range(2):
-        kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
-        want = F.scaled_dot_product_attention(q[j].float().view(2, 3, 64), kj, vj, scale=0.125).view(6, 64)
-        errors.append(float((got[j] - want).abs().max()))
-    return max(errors)
-
-
 @dataclass
 class Placement:
     """Where one step's decoding sequences sit in the context rows: sequence j of the batch in row `rows[j]`; rows
@@ -178,7 +113,7 @@ class ContextRows:
     missing from a step loses its row. The rows take at most `budget` bytes: a batch that needs more gathers. A step
     that fails part way has written only its new tokens' places, which the step run again writes over.
 
-    Rows are in the model's dtype and the paged cache's layout. Attention over them is `kernel`'s (cpu_kernel), or
+    Rows are in the model's dtype and the paged cache's layout. Attention over them is `kernel`'s (cpu_kernels), or
     else SDPA's; both keep scores and sums in float32 over bf16 keys and values.
     """
 

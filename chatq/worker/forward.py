@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatq.worker import attention, dense
+from chatq.worker import attention, cpu_kernels, dense
 
 # A CPU decode's context: its place in the context rows, or else the block ids [D, W] and the mask of the slots in
 # use that gathering it takes (attention.gather_context).
@@ -87,10 +87,21 @@ class PagedForward:
             torch.backends.cuda.enable_cudnn_sdp(False)
         # On CPU decode attention reads context rows, of as much memory again as the paged cache at most.
         self.rows = None
+        self.kernels: Any = cpu_kernels.load() if kc.device.type == "cpu" else None
         if kc.device.type == "cpu":
             shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size, kc.dtype)
-            kernel = attention.cpu_kernel() if attention.cpu_kernel_runs(self.head_dim, kc.dtype) else None
-            self.rows = attention.ContextRows(*shape, budget=cache.bytes, kernel=kernel)
+            runs = self.kernels is not None and cpu_kernels.attention_runs(self.head_dim, kc.dtype)
+            self.rows = attention.ContextRows(*shape, budget=cache.bytes, kernel=self.kernels if runs else None)
+        heads = attn.config.num_attention_heads
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.fused_norm = (
+            self.kernels is not None
+            and all(type(n) is type(self.norm) for n in norms)
+            and cpu_kernels.computes_norm(self.kernels, self.norm, inner.config.hidden_size, kc.dtype)
+        )
+        self.fused_rotary = self.kernels is not None and cpu_kernels.computes_rotary(
+            self.kernels, self.rotary, self.apply_rotary, (heads, kc.shape[1], self.head_dim), kc.dtype
+        )
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head
@@ -105,13 +116,18 @@ class PagedForward:
         cos, sin = self.rotary(h, b.positions[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         for i, (layer, proj) in enumerate(zip(self.layers, self.dense, strict=True)):
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             h = proj.o.plus(self._attention(layer.self_attn, proj, x, cos, sin, i, b, ctx), h)
-            x = layer.post_attention_layernorm(h)
+            x = self._norm(layer.post_attention_layernorm, h)
             h = proj.mlp_plus(x, h)
-        h = self.norm(h if b.logits_at is None else h[b.logits_at])
+        h = self._norm(self.norm, h if b.logits_at is None else h[b.logits_at])
         logits = self.head(h)
         return logits.float() if out is None else out.copy_(logits)
+
+    def _norm(self, norm: Any, h: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            return self.kernels.rms_norm(h, norm.weight, norm.variance_epsilon)
+        return norm(h)
 
     def _context(self, b: Batch) -> Context | None:
         """Where decode attention without the paged kernel reads its keys: the context rows, or else a gather."""
@@ -133,8 +149,11 @@ class PagedForward:
         v = proj.v(h).view(t, -1, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
-        # apply_rotary_pos_emb wants heads before tokens; here tokens lead, so broadcast cos/sin over dim 1.
-        q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+        if self.fused_rotary:
+            q, k = q.contiguous(), k.contiguous()
+            self.kernels.rotary(q, k, cos, sin)
+        else:  # apply_rotary_pos_emb wants heads before tokens; here tokens lead, so broadcast cos/sin over dim 1.
+            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc.index_copy_(0, b.slots, k)
         vc.index_copy_(0, b.slots, v)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chatq.worker import attention
+from tests.helpers import built_kernels
 
 BLOCK = 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,38 +94,6 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
     assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
 
 
-def built_kernel():
-    kernel = attention.cpu_kernel()
-    assert kernel is not None, "the CPU decode-attention kernel did not build (a C++ compiler and ninja)"
-    return kernel
-
-
-# bf16 output is rounded to bf16 once: within its 2**-8 of float32 attention over the same values.
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
-def test_cpu_kernel_equals_each_sequence_on_its_own(heads, kv_heads, head_dim, dtype, tol):
-    torch.manual_seed(4)
-    tokens = 300
-    k, v = (torch.randn(6, kv_heads, tokens, head_dim).to(dtype) for _ in range(2))
-    # Sequences in rows out of order, of one token, a few, and the whole row.
-    rows, lens = torch.tensor([3, 0, 5, 1]), torch.tensor([1, 17, tokens, 130])
-    q = torch.randn(4, heads, head_dim).to(dtype)
-    got = built_kernel().attend(q, k, v, rows, lens, head_dim**-0.5)
-    assert got.dtype == dtype and got.shape == q.shape
-    for j in range(4):
-        kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[j].float()[:, None], kj, vj, scale=head_dim**-0.5, enable_gqa=True
-        )[:, 0]
-        torch.testing.assert_close(got[j].float(), want, atol=tol, rtol=tol)
-
-
-def test_cpu_kernel_refuses_a_length_past_its_row():
-    k = v = torch.zeros(2, 3, 16, 64)
-    with pytest.raises(RuntimeError, match="out of range"):
-        built_kernel().attend(torch.zeros(1, 9, 64), k, v, torch.tensor([1]), torch.tensor([17]), 0.125)
-
-
 # A bf16 model's rows are bf16: its outputs differ from float32 attention over the same values by bf16's rounding.
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, None), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("kernel", ["cpu", "sdpa"])
@@ -135,7 +104,7 @@ def test_context_rows_follow_sequences_as_they_join_grow_and_leave(dtype, tol, k
     layers, kv_heads, head_dim, blocks = 2, 3, 64, 256
     kc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
     vc = [torch.randn(blocks * BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
-    with_kernel = built_kernel() if kernel == "cpu" else None
+    with_kernel = built_kernels() if kernel == "cpu" else None
     rows = attention.ContextRows(layers, kv_heads, head_dim, BLOCK, dtype, budget=1 << 30, kernel=with_kernel)
     free = iter(torch.randperm(blocks).tolist())
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, context length)

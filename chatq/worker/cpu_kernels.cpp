@@ -1,0 +1,275 @@
+// chatq's kernels for a decode step on CPU (cpu_kernels.py builds and checks them).
+//
+// attend: decode attention over the context rows. torch's SDPA kernel tiles for long queries; with a decode step's
+// one token per sequence it spends most of its time outside the arithmetic, and the two batched matmuls it could be
+// written as run at a fraction of the memory's speed. Here each (sequence, KV head) is one task on torch's thread
+// pool: its query heads read each key and value once, in float32, and only up to the sequence's length.
+//
+// rms_norm and rotary: the model's RMSNorm and rotary embedding, each one call where transformers' code is six to
+// eight small operations, whose dispatch costs more than their arithmetic at a decode step's few rows. Both round
+// where transformers' code rounds, so their results are the same.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+void check(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.is_contiguous(), "contiguous tensors only");
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), "one dtype for all");
+  }
+  const auto dtype = tensors[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype ", dtype, " is not built");
+}
+
+// bf16 is handled as its bits (uint16_t): c10's conversions from float, and loops over its struct, do not
+// vectorize; these do.
+using Bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// x rounded to T's precision, to nearest even as torch rounds (NaN aside).
+template <typename T>
+inline float narrow(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    float rounded;
+    std::memcpy(&rounded, &bits, sizeof bits);
+    return rounded;
+  }
+}
+
+// Stores x, already of T's precision (narrow), as a T.
+inline void put(float* at, float x) { *at = x; }
+inline void put(Bf16* at, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  *at = static_cast<Bf16>(bits >> 16);
+}
+
+// A tensor's data as T, bf16 as its bits.
+template <typename T>
+T* data(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, Bf16>)
+    return reinterpret_cast<Bf16*>(t.data_ptr<at::BFloat16>());
+  else
+    return t.data_ptr<T>();
+}
+
+constexpr int LANES = 16;  // one AVX-512 register of float32 (two AVX2 ones)
+
+// exp(x) for x <= 0 (Cephes' expf) as plain arithmetic, so that the loop calling it vectorizes; std::exp does not.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = __builtin_nearbyintf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof bits);
+  return p;
+}
+
+template <typename T, int D>
+float dot(const float* q, const float* k) {
+  float lanes[LANES] = {0};
+  for (int d = 0; d < D; d += LANES)
+    for (int l = 0; l < LANES; ++l) lanes[l] += q[d + l] * k[d + l];
+  float sum = 0;
+  for (int l = 0; l < LANES; ++l) sum += lanes[l];
+  return sum;
+}
+
+// Softmax of scores[0, n) in place; returns its denominator, left for the output to divide by.
+inline float exponentiate(float* scores, int64_t n) {
+  float top = scores[0];
+  for (int64_t t = 1; t < n; ++t) top = scores[t] > top ? scores[t] : top;
+  float sum = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = exp_nonpositive(scores[t] - top);
+    sum += scores[t];
+  }
+  return sum;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, group, tokens;
+};
+
+// One (sequence, KV head): q and out point at its query heads [group, D], k and v at its row [tokens, D].
+template <typename T, int D>
+void attend_one(const T* q, const T* k, const T* v, int64_t n, float scale, const Shape& s, std::vector<float>& buf,
+                T* out) {
+  float* qf = buf.data();
+  float* acc = qf + s.group * D;
+  float* row = acc + s.group * D;
+  float* scores = row + D;
+  for (int64_t x = 0; x < s.group * D; ++x) qf[x] = widen(q[x]) * scale;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int d = 0; d < D; ++d) row[d] = widen(k[t * D + d]);
+    for (int64_t g = 0; g < s.group; ++g) scores[g * n + t] = dot<T, D>(qf + g * D, row);
+  }
+  std::vector<float> sums(s.group);
+  for (int64_t g = 0; g < s.group; ++g) sums[g] = exponentiate(scores + g * n, n);
+  std::fill(acc, acc + s.group * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int d = 0; d < D; ++d) row[d] = widen(v[t * D + d]);
+    for (int64_t g = 0; g < s.group; ++g) {
+      const float p = scores[g * n + t];
+      for (int d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
+    }
+  }
+  for (int64_t g = 0; g < s.group; ++g)
+    for (int d = 0; d < D; ++d) put(out + g * D + d, narrow<T>(acc[g * D + d] / sums[g]));
+}
+
+template <typename T, int D>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                const at::Tensor& lens, double scale, at::Tensor& out) {
+  const Shape s{q.size(1), k.size(1), q.size(1) / k.size(1), k.size(2)};
+  const T* qp = data<T>(q);
+  const T* kp = data<T>(k);
+  const T* vp = data<T>(v);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = data<T>(out);
+  at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((2 * s.group + 1) * D + s.group * s.tokens);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t j = i / s.kv_heads, h = i % s.kv_heads;
+      const int64_t head = j * s.heads + h * s.group, row = rp[j] * s.kv_heads + h;
+      attend_one<T, D>(qp + head * D, kp + row * s.tokens * D, vp + row * s.tokens * D, lp[j],
+                       static_cast<float>(scale), s, buf, op + head * D);
+    }
+  });
+}
+
+template <typename T>
+void by_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                 const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return attend_all<T, 64>(q, k, v, rows, lens, scale, out);
+    case 128: return attend_all<T, 128>(q, k, v, rows, lens, scale, out);
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not built");
+  }
+}
+
+}  // namespace
+
+// q [B, H, D] and out in batch order; k, v [rows, KVH, tokens, D]; sequence j in row rows[j], of lens[j] tokens.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                  const at::Tensor& lens, double scale) {
+  check({q, k, v});
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 rows and lengths");
+  TORCH_CHECK(rows.numel() == q.size(0) && lens.numel() == q.size(0), "one row and length per sequence");
+  for (int64_t j = 0; j < q.size(0); ++j) {
+    const int64_t row = rows.data_ptr<int64_t>()[j], n = lens.data_ptr<int64_t>()[j];
+    TORCH_CHECK(row >= 0 && row < k.size(0) && n >= 1 && n <= k.size(2), "row or length out of range");
+  }
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16)
+    by_head_dim<Bf16>(q, k, v, rows, lens, scale, out);
+  else
+    by_head_dim<float>(q, k, v, rows, lens, scale, out);
+  return out;
+}
+
+namespace {
+
+constexpr int64_t SERIAL_ROWS = 64;  // a decode step's rows: less work than waking the thread pool
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, float eps, int64_t rows, int64_t n, T* out) {
+  at::parallel_for(0, rows, SERIAL_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      float sum = 0;
+      for (int64_t i = 0; i < n; ++i) sum += widen(xr[i]) * widen(xr[i]);
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+      // As transformers: x * rsqrt(mean(x^2) + eps) in float32, rounded to the model's dtype, times the weight.
+      for (int64_t i = 0; i < n; ++i)
+        put(out + r * n + i, narrow<T>(widen(w[i]) * narrow<T>(widen(xr[i]) * scale)));
+    }
+  });
+}
+
+// x [rows, heads, D] rotated in place by its row's cos and sin [rows, D], as q * cos + rotate_half(q) * sin.
+template <typename T>
+void rotate(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, SERIAL_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xh = x + (r * heads + h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = widen(xh[i]), x2 = widen(xh[i + half]);
+          // Each product rounded to T before the sum, as transformers' separate operations round them.
+          const float a = narrow<T>(x1 * widen(c[i])), b = narrow<T>(-x2 * widen(s[i]));
+          const float e = narrow<T>(x2 * widen(c[i + half]));
+          const float f = narrow<T>(x1 * widen(s[i + half]));
+          put(xh + i, narrow<T>(a + b));
+          put(xh + i + half, narrow<T>(e + f));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [rows, n]; weight [n].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check({x, weight});
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "x [rows, n] and weight [n]");
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows(data<Bf16>(x), data<Bf16>(weight), eps, x.size(0), x.size(1), data<Bf16>(out));
+  else
+    rms_norm_rows(data<float>(x), data<float>(weight), eps, x.size(0), x.size(1), data<float>(out));
+  return out;
+}
+
+// q [rows, H, D] and k [rows, KVH, D] rotated in place; cos, sin [rows, D].
+void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check({q, k, cos, sin});
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cos.sizes() == sin.sizes(), "q, k [rows, heads, D]");
+  TORCH_CHECK(cos.size(0) == q.size(0) && k.size(0) == q.size(0) && cos.size(1) == q.size(2) &&
+                  k.size(2) == q.size(2) && q.size(2) % 2 == 0,
+              "cos and sin [rows, D]");
+  for (auto* x : {&q, &k}) {
+    if (x->scalar_type() == at::kBFloat16)
+      rotate(data<Bf16>(*x), data<Bf16>(cos), data<Bf16>(sin), x->size(0), x->size(1), x->size(2));
+    else
+      rotate(data<float>(*x), data<float>(cos), data<float>(sin), x->size(0), x->size(1), x->size(2));
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend);
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary", &rotary);
+}

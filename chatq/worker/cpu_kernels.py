@@ -1,0 +1,118 @@
+"""chatq's C++ kernels for a decode step on CPU (cpu_kernels.cpp): attention over the context rows, RMSNorm and the
+rotary embedding.
+
+torch has no decode attention for CPU that reads a step's few queries at the memory's speed, and at a decode step's
+few rows its small operations cost more to dispatch than to run (docs/performance.md). The kernels are compiled with
+the host's C++ compiler the first time on each kind of CPU, then loaded from torch's extension cache
+(TORCH_EXTENSIONS_DIR). Each is checked once against what it replaces; where the build or a check fails, the forward
+pass keeps torch's own operations.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Built for the CPU it runs on (-march=native), so each kind of CPU gets a build of its own in the extension cache.
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+# Lets the compiler sum a dot product's lanes in any order, which vectorizing it takes.
+FLAGS += ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+DTYPES = (torch.float32, torch.bfloat16)
+HEAD_DIMS = (64, 128)  # attention's builds
+# Off by more than this from what a kernel replaces, it is not used: bf16's rounding stays far below it.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _cpu_model() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(f"{platform.machine()} {flags} {FLAGS}".encode()).hexdigest()[:12]
+
+
+@functools.cache
+def load() -> Any | None:
+    """The built kernels, their attention checked against SDPA; None where they cannot be built."""
+    try:
+        import ninja
+        from torch.utils import cpp_extension
+
+        # torch runs `ninja` from PATH; the ninja wheel puts it beside this interpreter, off PATH in a venv not
+        # activated.
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        source = str(Path(__file__).with_name("cpu_kernels.cpp"))
+        kernels = cpp_extension.load(f"chatq_{_cpu_model()}", [source], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        agrees = all(_attention_error(kernels, dtype) < TOLERANCE[dtype] for dtype in DTYPES)
+    except Exception as e:
+        log.warning("chatq's CPU kernels are not available (%s): the forward pass uses torch's operations", e)
+        return None
+    if not agrees:
+        log.error("chatq's CPU attention kernel disagrees with SDPA: the forward pass uses torch's operations")
+        return None
+    return kernels
+
+
+def attention_runs(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the attention kernel is built for this head size and dtype."""
+    return head_dim in HEAD_DIMS and dtype in DTYPES
+
+
+def _attention_error(kernels: Any, dtype: torch.dtype) -> float:
+    """The largest difference from SDPA on rows of random keys, with grouped heads and uneven lengths."""
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(2, 6, 64, generator=gen).to(dtype)
+    rows, lens = torch.tensor([2, 0]), torch.tensor([33, 1])
+    got = kernels.attend(q, k, v, rows, lens, 0.125).float()
+    errors = []
+    for j in range(2):
+        kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
+        want = F.scaled_dot_product_attention(q[j].float().view(2, 3, 64), kj, vj, scale=0.125).view(6, 64)
+        errors.append(float((got[j] - want).abs().max()))
+    return max(errors)
+
+
+def computes_norm(kernels: Any, norm: nn.Module, width: int, dtype: torch.dtype) -> bool:
+    """Whether rms_norm computes what this model's norm module does (an RMSNorm with `variance_epsilon`, weights
+    used as they are)."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if dtype not in DTYPES or not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        return False
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return _close(kernels.rms_norm(x, weight.detach(), eps), norm(x), dtype)
+
+
+def computes_rotary(
+    kernels: Any, rotary: nn.Module, apply_rotary: Callable, shape: tuple[int, int, int], dtype
+) -> bool:
+    """Whether rotary computes what this model's apply_rotary_pos_emb does (transformers' rotate_half form) with the
+    cos and sin its rotary embedding module gives. shape: (heads, KV heads, head_dim)."""
+    heads, kv_heads, head_dim = shape
+    if dtype not in DTYPES:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(5, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads))
+    cos, sin = rotary(q, torch.tensor([[0, 1, 7, 300, 4000]]))
+    cos, sin = cos[0], sin[0]
+    want_q, want_k = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+    kernels.rotary(q, k, cos, sin)
+    return _close(q, want_q, dtype) and _close(k, want_k, dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    got, want = got.float(), want.float()
+    return got.shape == want.shape and bool(((got - want).abs() <= TOLERANCE[dtype] * (1 + want.abs())).all())

@@ -1,0 +1,92 @@
+"""chatq's CPU kernels against what they replace: SDPA, and the model's own RMSNorm and rotary embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from chatq.worker import cpu_kernels
+from tests.helpers import built_kernels
+
+
+# bf16 output is rounded to bf16 once: within its 2**-8 of float32 attention over the same values.
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
+def test_attend_equals_each_sequence_on_its_own(heads, kv_heads, head_dim, dtype, tol):
+    torch.manual_seed(4)
+    tokens = 300
+    k, v = (torch.randn(6, kv_heads, tokens, head_dim).to(dtype) for _ in range(2))
+    # Sequences in rows out of order, of one token, a few, and the whole row.
+    rows, lens = torch.tensor([3, 0, 5, 1]), torch.tensor([1, 17, tokens, 130])
+    q = torch.randn(4, heads, head_dim).to(dtype)
+    got = built_kernels().attend(q, k, v, rows, lens, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    for j in range(4):
+        kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[j].float()[:, None], kj, vj, scale=head_dim**-0.5, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(got[j].float(), want, atol=tol, rtol=tol)
+
+
+def test_attend_refuses_a_length_past_its_row():
+    k = v = torch.zeros(2, 3, 16, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        built_kernels().attend(torch.zeros(1, 9, 64), k, v, torch.tensor([1]), torch.tensor([17]), 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 32, 300])  # a step's rows run on one thread, a prompt's on all
+def test_rms_norm_computes_the_models_norm(dtype, rows):
+    torch.manual_seed(5)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.5)
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    with torch.inference_mode():
+        got, want = built_kernels().rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)
+    assert got.dtype == dtype
+    # float32 sums the squares in another order; bf16 rounds the same sum the same way nearly always.
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
+def test_rotary_computes_the_models_rotation_in_place(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(6)
+    q, k = (torch.randn(70, h, head_dim).to(dtype) for h in (heads, kv_heads))
+    angles = torch.arange(70)[:, None] * torch.rand(head_dim // 2)
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    built_kernels().rotary(q, k, cos, sin)
+    # Rounded where transformers rounds: the same values.
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+
+
+def test_a_norm_of_another_form_is_left_to_the_model():
+    class OffsetNorm(LlamaRMSNorm):  # Gemma's form: the weight stored as an offset from one
+        def forward(self, x):
+            return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    with torch.inference_mode():
+        kernels = built_kernels()
+        assert cpu_kernels.computes_norm(kernels, LlamaRMSNorm(64, eps=1e-6), 64, torch.float32)
+        assert not cpu_kernels.computes_norm(kernels, OffsetNorm(64, eps=1e-6), 64, torch.float32)
+
+
+def test_a_rotation_of_another_form_is_left_to_the_model():
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):  # GPT-J's pairs of neighbours rather than halves
+        def rot(x):
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    kernels = built_kernels()
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert cpu_kernels.computes_rotary(kernels, rotary, apply_rotary_pos_emb, (9, 3, 64), dtype)
+        assert not cpu_kernels.computes_rotary(kernels, rotary, interleaved, (9, 3, 64), dtype)
