@@ -3,7 +3,7 @@
 On CUDA a Triton kernel reads each sequence's keys in place through its block-table row, where SDPA would first
 gather every context, per layer per step, at more cost than the attention at large batches. Its loop bounds come
 from device-side lengths, so a CUDA graph replays it at any length. On CPU each decoding sequence's keys stay in a
-contiguous row of their own for SDPA (ContextRows), gathered from the blocks only where rows would take too much memory.
+contiguous row of their own (ContextRows), gathered from the blocks only where rows would take too much memory.
 """
 
 from __future__ import annotations
@@ -174,8 +174,7 @@ class ContextRows:
             return True
         rows = max(have_rows, -(-rows // self.ROWS) * self.ROWS)
         tokens = max(have_tokens, -(-tokens // self.TOKENS) * self.TOKENS)
-        size = 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * torch.finfo(self.dtype).bits // 8
-        if size > self.budget:
+        if 2 * self.layers * rows * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize > self.budget:
             return False
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:

@@ -90,3 +90,17 @@ def test_a_rotation_of_another_form_is_left_to_the_model():
     for dtype in (torch.float32, torch.bfloat16):
         assert cpu_kernels.computes_rotary(kernels, rotary, apply_rotary_pos_emb, (9, 3, 64), dtype)
         assert not cpu_kernels.computes_rotary(kernels, rotary, interleaved, (9, 3, 64), dtype)
+
+
+def test_a_build_or_check_that_fails_leaves_the_forward_to_torch(monkeypatch):
+    from torch.utils import cpp_extension
+
+    assert cpu_kernels.load.__wrapped__() is not None
+    monkeypatch.setattr(cpu_kernels, "_attention_error", lambda kernels, dtype: 1.0)
+    assert cpu_kernels.load.__wrapped__() is None
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert cpu_kernels.load.__wrapped__() is None

@@ -32,6 +32,12 @@ def model():
     return load_model(Settings(device="cpu"))
 
 
+def test_the_default_model_runs_on_chatqs_cpu_kernels(model):
+    forward = Engine(model, kv_tokens=256, block_size=16, prefill_chunk=16, max_model_len=128).forward
+    assert forward.rows is not None and forward.rows.kernel is not None
+    assert forward.fused_norm and forward.fused_rotary
+
+
 @pytest.fixture(scope="module")
 def prompts():
     r = Renderer(model_info())
