@@ -100,9 +100,11 @@ class Placement:
 
     rows: torch.Tensor  # [D]
     lens: torch.Tensor  # [D] int64 context lengths, new token included
-    writes: torch.Tensor  # [D * KVH] where each sequence's new key and value of each KV head go, in a layer's rows
-    mask: torch.Tensor  # [D, 1, 1, width] additive, in row order: 0 over a row's tokens, -inf past them (SDPA's)
     width: int
+    # SDPA's alone (the kernel writes and masks for itself): where each sequence's new key and value of each KV head
+    # go in a layer's rows [D * KVH], and the additive mask [D, 1, 1, width] in row order, -inf past a row's tokens.
+    writes: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 class ContextRows:
@@ -159,13 +161,15 @@ class ContextRows:
         self._compact(len(ids))
         self._join([j for j, i in enumerate(ids) if i not in self.row_of], ids, table, width, kc, vc)
         rows = torch.tensor([self.row_of[i] for i in ids])
-        row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
-        mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
-        mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
-        # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
-        heads, tokens = self.kv_heads, self.k[0].shape[2]
-        writes = (rows[:, None] * heads + torch.arange(heads)) * tokens + (lens.long() - 1)[:, None]
-        return Placement(rows, lens.long(), writes.flatten(), mask, width)
+        at = Placement(rows, lens.long(), width)
+        if self.kernel is None:
+            row_lens = torch.empty_like(lens).index_copy_(0, rows, lens)
+            at.mask = torch.zeros(len(ids), 1, 1, width, dtype=self.dtype)
+            at.mask.masked_fill_(torch.arange(width) >= row_lens[:, None, None, None], float("-inf"))
+            # index_copy_ into the flat rows: advanced indexing writes the same keys at about half the speed.
+            heads, tokens = self.kv_heads, self.k[0].shape[2]
+            at.writes = ((rows[:, None] * heads + torch.arange(heads)) * tokens + (at.lens - 1)[:, None]).flatten()
+        return at
 
     def _reserve(self, rows: int, tokens: int) -> bool:
         """Room for `rows` rows of `tokens` tokens, keeping what the rows hold; False past the budget."""
@@ -229,10 +233,11 @@ class ContextRows:
     ) -> torch.Tensor:
         """q [D, H, head_dim] and the step's new k, v [D, KVH, head_dim] in batch order. Returns [D, H, head_dim]."""
         kr, vr = self.k[layer], self.v[layer]
+        if self.kernel is not None:
+            return self.kernel.attend(q.contiguous(), k.contiguous(), v.contiguous(), kr, vr, at.rows, at.lens, scale)
+        assert at.writes is not None
         kr.view(-1, self.head_dim).index_copy_(0, at.writes, k.reshape(-1, self.head_dim))
         vr.view(-1, self.head_dim).index_copy_(0, at.writes, v.reshape(-1, self.head_dim))
-        if self.kernel is not None:
-            return self.kernel.attend(q.contiguous(), kr, vr, at.rows, at.lens, scale)
         count, heads = q.shape[:2]
         by_row = torch.empty_like(q).index_copy_(0, at.rows, q)
         # A step has one query per sequence: a KV head's query heads go in as its queries, reading each key once.

@@ -3,7 +3,8 @@
 // attend: decode attention over the context rows. torch's SDPA kernel tiles for long queries; with a decode step's
 // one token per sequence it spends most of its time outside the arithmetic, and the two batched matmuls it could be
 // written as run at a fraction of the memory's speed. Here each (sequence, KV head) is one task on torch's thread
-// pool: its query heads read each key and value once, in float32, and only up to the sequence's length.
+// pool: its query heads read each key and value once, in float32, and only up to the sequence's length. It also
+// writes the step's new keys and values into the rows, which would otherwise take two more operations per layer.
 //
 // rms_norm and rotary: the model's RMSNorm and rotary embedding, each one call where transformers' code is six to
 // eight small operations, whose dispatch costs more than their arithmetic at a decode step's few rows. Both round
@@ -92,16 +93,6 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
-template <typename T, int D>
-float dot(const float* q, const float* k) {
-  float lanes[LANES] = {0};
-  for (int d = 0; d < D; d += LANES)
-    for (int l = 0; l < LANES; ++l) lanes[l] += q[d + l] * k[d + l];
-  float sum = 0;
-  for (int l = 0; l < LANES; ++l) sum += lanes[l];
-  return sum;
-}
-
 // Softmax of scores[0, n) in place; returns its denominator, left for the output to divide by.
 inline float exponentiate(float* scores, int64_t n) {
   float top = scores[0];
@@ -118,81 +109,106 @@ struct Shape {
   int64_t heads, kv_heads, group, tokens;
 };
 
-// One (sequence, KV head): q and out point at its query heads [group, D], k and v at its row [tokens, D].
+// A query's score of one key [D], each lane summing every LANES-th product.
+template <int D>
+inline float dot(const float* q, const float* k) {
+  float lanes[LANES] = {0};
+  for (int d = 0; d < D; d += LANES)
+    for (int l = 0; l < LANES; ++l) lanes[l] += q[d + l] * k[d + l];
+  float sum = 0;
+  for (int l = 0; l < LANES; ++l) sum += lanes[l];
+  return sum;
+}
+
+// One (sequence, KV head): q and out point at its query heads [group, D], k and v at its rows [tokens, D]. Each key
+// and each head's sum are local arrays, which the compiler keeps in registers; in the scores' buffer it would load
+// and store them at every key, not knowing that they do not overlap the scores.
 template <typename T, int D>
-void attend_one(const T* q, const T* k, const T* v, int64_t n, float scale, const Shape& s, std::vector<float>& buf,
-                T* out) {
-  float* qf = buf.data();
-  float* acc = qf + s.group * D;
-  float* row = acc + s.group * D;
-  float* scores = row + D;
+void attend_one(const T* q, const T* k, const T* v, int64_t n, float scale, const Shape& s, float* buf, T* out) {
+  float* qf = buf;
+  float* scores = qf + s.group * D;
   for (int64_t x = 0; x < s.group * D; ++x) qf[x] = widen(q[x]) * scale;
   for (int64_t t = 0; t < n; ++t) {
-    for (int d = 0; d < D; ++d) row[d] = widen(k[t * D + d]);
-    for (int64_t g = 0; g < s.group; ++g) scores[g * n + t] = dot<T, D>(qf + g * D, row);
+    float key[D];
+    for (int d = 0; d < D; ++d) key[d] = widen(k[t * D + d]);
+    for (int64_t g = 0; g < s.group; ++g) scores[g * n + t] = dot<D>(qf + g * D, key);
   }
-  std::vector<float> sums(s.group);
-  for (int64_t g = 0; g < s.group; ++g) sums[g] = exponentiate(scores + g * n, n);
-  std::fill(acc, acc + s.group * D, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int d = 0; d < D; ++d) row[d] = widen(v[t * D + d]);
-    for (int64_t g = 0; g < s.group; ++g) {
-      const float p = scores[g * n + t];
-      for (int d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
-    }
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* p = scores + g * n;
+    const float sum = exponentiate(p, n);
+    float acc[D] = {0};
+    for (int64_t t = 0; t < n; ++t)
+      for (int d = 0; d < D; ++d) acc[d] += p[t] * widen(v[t * D + d]);
+    for (int d = 0; d < D; ++d) put(out + g * D + d, narrow<T>(acc[d] / sum));
   }
-  for (int64_t g = 0; g < s.group; ++g)
-    for (int d = 0; d < D; ++d) put(out + g * D + d, narrow<T>(acc[g * D + d] / sums[g]));
+}
+
+// A sequence's new key and value [KVH, D] into its row, at its last position.
+template <typename T, int D>
+void append(const T* k, const T* v, int64_t row, int64_t at, const Shape& s, T* k_rows, T* v_rows) {
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const int64_t place = ((row * s.kv_heads + h) * s.tokens + at) * D;
+    std::memcpy(k_rows + place, k + h * D, D * sizeof(T));
+    std::memcpy(v_rows + place, v + h * D, D * sizeof(T));
+  }
 }
 
 template <typename T, int D>
-void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
-                const at::Tensor& lens, double scale, at::Tensor& out) {
-  const Shape s{q.size(1), k.size(1), q.size(1) / k.size(1), k.size(2)};
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_rows,
+                at::Tensor& v_rows, const at::Tensor& rows, const at::Tensor& lens, double scale, at::Tensor& out) {
+  const Shape s{q.size(1), k.size(1), q.size(1) / k.size(1), v_rows.size(2)};
   const T* qp = data<T>(q);
-  const T* kp = data<T>(k);
-  const T* vp = data<T>(v);
+  T* kp = data<T>(k_rows);
+  T* vp = data<T>(v_rows);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t j = 0; j < q.size(0); ++j)
+    append<T, D>(data<T>(k) + j * s.kv_heads * D, data<T>(v) + j * s.kv_heads * D, rp[j], lp[j] - 1, s, kp, vp);
   T* op = data<T>(out);
   at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf((2 * s.group + 1) * D + s.group * s.tokens);
+    std::vector<float> buf(s.group * (D + s.tokens));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t j = i / s.kv_heads, h = i % s.kv_heads;
       const int64_t head = j * s.heads + h * s.group, row = rp[j] * s.kv_heads + h;
       attend_one<T, D>(qp + head * D, kp + row * s.tokens * D, vp + row * s.tokens * D, lp[j],
-                       static_cast<float>(scale), s, buf, op + head * D);
+                       static_cast<float>(scale), s, buf.data(), op + head * D);
     }
   });
 }
 
 template <typename T>
-void by_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
-                 const at::Tensor& lens, double scale, at::Tensor& out) {
+void by_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_rows,
+                 at::Tensor& v_rows, const at::Tensor& rows, const at::Tensor& lens, double scale, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return attend_all<T, 64>(q, k, v, rows, lens, scale, out);
-    case 128: return attend_all<T, 128>(q, k, v, rows, lens, scale, out);
+    case 64: return attend_all<T, 64>(q, k, v, k_rows, v_rows, rows, lens, scale, out);
+    case 128: return attend_all<T, 128>(q, k, v, k_rows, v_rows, rows, lens, scale, out);
     default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not built");
   }
 }
 
 }  // namespace
 
-// q [B, H, D] and out in batch order; k, v [rows, KVH, tokens, D]; sequence j in row rows[j], of lens[j] tokens.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
-                  const at::Tensor& lens, double scale) {
-  check({q, k, v});
+// q [B, H, D] and out in batch order; the step's new keys and values k, v [B, KVH, D]; the rows k_rows, v_rows
+// [rows, KVH, tokens, D]. Sequence j, in row rows[j] and of lens[j] tokens with its new one, has its new key and
+// value written at lens[j] - 1 and attends over its lens[j] tokens.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_rows,
+                  at::Tensor& v_rows, const at::Tensor& rows, const at::Tensor& lens, double scale) {
+  check({q, k, v, k_rows, v_rows});
   TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 rows and lengths");
   TORCH_CHECK(rows.numel() == q.size(0) && lens.numel() == q.size(0), "one row and length per sequence");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2), "k, v [B, KVH, D]");
+  TORCH_CHECK(v_rows.dim() == 4 && v_rows.size(1) == k.size(1) && v_rows.size(3) == q.size(2) &&
+                  k_rows.sizes() == v_rows.sizes(),
+              "k_rows, v_rows [rows, KVH, tokens, D]");
   for (int64_t j = 0; j < q.size(0); ++j) {
     const int64_t row = rows.data_ptr<int64_t>()[j], n = lens.data_ptr<int64_t>()[j];
-    TORCH_CHECK(row >= 0 && row < k.size(0) && n >= 1 && n <= k.size(2), "row or length out of range");
+    TORCH_CHECK(row >= 0 && row < v_rows.size(0) && n >= 1 && n <= v_rows.size(2), "row or length out of range");
   }
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16)
-    by_head_dim<Bf16>(q, k, v, rows, lens, scale, out);
+    by_head_dim<Bf16>(q, k, v, k_rows, v_rows, rows, lens, scale, out);
   else
-    by_head_dim<float>(q, k, v, rows, lens, scale, out);
+    by_head_dim<float>(q, k, v, k_rows, v_rows, rows, lens, scale, out);
   return out;
 }
 

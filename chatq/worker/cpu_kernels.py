@@ -72,17 +72,20 @@ def attention_runs(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def _attention_error(kernels: Any, dtype: torch.dtype) -> float:
-    """The largest difference from SDPA on rows of random keys, with grouped heads and uneven lengths."""
-    gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(3, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
-    q = torch.randn(2, 6, 64, generator=gen).to(dtype)
-    rows, lens = torch.tensor([2, 0]), torch.tensor([33, 1])
-    got = kernels.attend(q, k, v, rows, lens, 0.125).float()
+    """The largest difference from SDPA on rows of random keys, with grouped heads and uneven lengths, at each built
+    head size."""
     errors = []
-    for j in range(2):
-        kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
-        want = F.scaled_dot_product_attention(q[j].float().view(2, 3, 64), kj, vj, scale=0.125).view(6, 64)
-        errors.append(float((got[j] - want).abs().max()))
+    for head_dim in HEAD_DIMS:
+        gen = torch.Generator().manual_seed(0)
+        k, v = (torch.randn(3, 2, 40, head_dim, generator=gen).to(dtype) for _ in range(2))
+        q, k_new, v_new = (torch.randn(2, h, head_dim, generator=gen).to(dtype) for h in (6, 2, 2))
+        rows, lens = torch.tensor([2, 0]), torch.tensor([33, 1])
+        got = kernels.attend(q, k_new, v_new, k.clone(), v.clone(), rows, lens, 0.125).float()
+        for j in range(2):
+            k[rows[j], :, lens[j] - 1], v[rows[j], :, lens[j] - 1] = k_new[j], v_new[j]
+            kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
+            want = F.scaled_dot_product_attention(q[j].float().view(2, 3, head_dim), kj, vj, scale=0.125)
+            errors.append(float((got[j] - want.view(6, head_dim)).abs().max()))
     return max(errors)
 
 

@@ -14,15 +14,19 @@ from tests.helpers import built_kernels
 # bf16 output is rounded to bf16 once: within its 2**-8 of float32 attention over the same values.
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
-def test_attend_equals_each_sequence_on_its_own(heads, kv_heads, head_dim, dtype, tol):
+def test_attend_writes_the_new_token_and_equals_each_sequence_on_its_own(heads, kv_heads, head_dim, dtype, tol):
     torch.manual_seed(4)
     tokens = 300
     k, v = (torch.randn(6, kv_heads, tokens, head_dim).to(dtype) for _ in range(2))
+    k_rows, v_rows = k.clone(), v.clone()
     # Sequences in rows out of order, of one token, a few, and the whole row.
     rows, lens = torch.tensor([3, 0, 5, 1]), torch.tensor([1, 17, tokens, 130])
     q = torch.randn(4, heads, head_dim).to(dtype)
-    got = built_kernels().attend(q, k, v, rows, lens, head_dim**-0.5)
+    k_new, v_new = (torch.randn(4, kv_heads, head_dim).to(dtype) for _ in range(2))
+    got = built_kernels().attend(q, k_new, v_new, k_rows, v_rows, rows, lens, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
+    k[rows, :, lens - 1], v[rows, :, lens - 1] = k_new, v_new
+    assert torch.equal(k_rows, k) and torch.equal(v_rows, v)
     for j in range(4):
         kj, vj = (x[rows[j], :, : lens[j]].float() for x in (k, v))
         want = torch.nn.functional.scaled_dot_product_attention(
@@ -32,9 +36,12 @@ def test_attend_equals_each_sequence_on_its_own(heads, kv_heads, head_dim, dtype
 
 
 def test_attend_refuses_a_length_past_its_row():
-    k = v = torch.zeros(2, 3, 16, 64)
+    k_rows, v_rows, new = torch.zeros(2, 3, 16, 64), torch.zeros(2, 3, 16, 64), torch.ones(1, 3, 64)
     with pytest.raises(RuntimeError, match="out of range"):
-        built_kernels().attend(torch.zeros(1, 9, 64), k, v, torch.tensor([1]), torch.tensor([17]), 0.125)
+        built_kernels().attend(
+            torch.zeros(1, 9, 64), new, new, k_rows, v_rows, torch.tensor([1]), torch.tensor([17]), 0.125
+        )
+    assert not k_rows.any() and not v_rows.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
