@@ -3,19 +3,21 @@ rotary embedding.
 
 torch has no decode attention for CPU that reads a step's few queries at the memory's speed, and at a decode step's
 few rows its small operations cost more to dispatch than to run (docs/performance.md). The kernels are compiled with
-the host's C++ compiler the first time on each kind of CPU, then loaded from torch's extension cache
-(TORCH_EXTENSIONS_DIR). Each is checked once against what it replaces; where the build or a check fails, the forward
-pass keeps torch's own operations.
+the host's C++ compiler the first time for each kind of CPU, source and torch, then loaded from torch's extension
+cache (TORCH_EXTENSIONS_DIR). Each is checked once against what it replaces; where the build or a check fails, the
+forward pass keeps torch's own operations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,28 @@ HEAD_DIMS = (64, 128)  # attention's builds
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _cpu_model() -> str:
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+
+def _build_name() -> str:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags} {FLAGS}".encode()).hexdigest()[:12]
+    key = f"{platform.machine()} {flags} {FLAGS} {torch.__version__}".encode() + SOURCE.read_bytes()
+    return f"chatq_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _alone_in(directory: Path) -> Iterator[None]:
+    """Holds the build directory against other processes. torch's own lock there is a file, which a process killed
+    while building leaves behind and on which every later build waits forever; an flock goes with the process holding
+    it, so its holder knows that torch's lock, if any, is such a leftover."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "chatq.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -54,8 +72,12 @@ def load() -> Any | None:
         # torch runs `ninja` from PATH; the ninja wheel puts it beside this interpreter, off PATH in a venv not
         # activated.
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        source = str(Path(__file__).with_name("cpu_kernels.cpp"))
-        kernels = cpp_extension.load(f"chatq_{_cpu_model()}", [source], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        name = _build_name()
+        directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+        with _alone_in(directory):
+            kernels = cpp_extension.load(
+                name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(directory)
+            )
         agrees = all(_attention_error(kernels, dtype) < TOLERANCE[dtype] for dtype in DTYPES)
     except Exception as e:
         log.warning("chatq's CPU kernels are not available (%s): the forward pass uses torch's operations", e)

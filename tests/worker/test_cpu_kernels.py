@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -111,3 +117,17 @@ def test_a_build_or_check_that_fails_leaves_the_forward_to_torch(monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     assert cpu_kernels.load.__wrapped__() is None
+
+
+def test_a_build_killed_part_way_leaves_the_next_to_finish(tmp_path):
+    # Killed while building, a process leaves torch's lock file in the build directory.
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    load = [sys.executable, "-c", "from chatq.worker import cpu_kernels; assert cpu_kernels.load() is not None"]
+    first = subprocess.Popen(load, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob("*/lock")) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert any(tmp_path.glob("*/lock")), "the first build was not caught holding torch's lock"
+    subprocess.run(load, env=env, timeout=240, check=True)
