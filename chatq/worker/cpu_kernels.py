@@ -36,8 +36,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # attention's builds
 # Off by more than this from what a kernel replaces, it is not used: bf16's rounding stays far below it.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 
 
