@@ -12,11 +12,10 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
-from pythonjsonlogger.orjson import OrjsonFormatter
-
-from chatq.core.telemetry import TraceIds
+if TYPE_CHECKING:
+    from chatq.core.telemetry import TraceIds
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers that uvicorn gives handlers of its own, with its own format.
@@ -65,6 +64,10 @@ class JobFilter(logging.Filter):
 def json_formatter() -> logging.Formatter:
     """One JSON object a line: time (ISO 8601, UTC), level, logger, message, then the record's extra fields (the
     job's among them) and a traceback if any."""
+    # Imported here, not above: the engine logs through this module, and runs on GPU machines that have torch and
+    # transformers but none of the service's packages (bench/gpu_engine.py).
+    from pythonjsonlogger.orjson import OrjsonFormatter
+
     return OrjsonFormatter(
         "{levelname}{name}{message}",
         style="{",
