@@ -120,6 +120,18 @@ inline float dot(const float* q, const float* k) {
   return sum;
 }
 
+// Each key's and value's cache lines, requested ahead of their use. A row per (sequence, KV head) is a few pages,
+// too short a stream for the hardware's prefetcher to reach the memory's speed before it ends.
+template <typename T, int D>
+inline void prefetch(const T* k, const T* v) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k) + b);
+    __builtin_prefetch(reinterpret_cast<const char*>(v) + b);
+  }
+}
+
+constexpr int64_t AHEAD = 16;  // keys
+
 // One (sequence, KV head): q and out point at its query heads [group, D], k and v at its rows [tokens, D]. Each key
 // and each head's sum are local arrays, which the compiler keeps in registers; in the scores' buffer it would load
 // and store them at every key, not knowing that they do not overlap the scores.
@@ -127,8 +139,10 @@ template <typename T, int D>
 void attend_one(const T* q, const T* k, const T* v, int64_t n, float scale, const Shape& s, float* buf, T* out) {
   float* qf = buf;
   float* scores = qf + s.group * D;
+  for (int64_t t = 0; t < n && t < AHEAD; ++t) prefetch<T, D>(k + t * D, v + t * D);
   for (int64_t x = 0; x < s.group * D; ++x) qf[x] = widen(q[x]) * scale;
   for (int64_t t = 0; t < n; ++t) {
+    if (t + AHEAD < n) prefetch<T, D>(k + (t + AHEAD) * D, v + (t + AHEAD) * D);
     float key[D];
     for (int d = 0; d < D; ++d) key[d] = widen(k[t * D + d]);
     for (int64_t g = 0; g < s.group; ++g) scores[g * n + t] = dot<D>(qf + g * D, key);
