@@ -395,7 +395,7 @@ def test_decode_through_the_cuda_kernel_equals_generate(model, prompts, referenc
     ]
 
 
-# chatq's service packages: a GPU machine set up to run models, with PyTorch, transformers and Triton, has none of them.
+# chatq's service packages, which a machine set up only to run models (PyTorch, transformers, Triton) need not have.
 SERVICE_PACKAGES = (
     "celery",
     "fastapi",
