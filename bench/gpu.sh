@@ -13,6 +13,7 @@ baseline_s=${BASELINE_S:-120}
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+echo "C compiler for Triton's launcher: $(command -v cc gcc | head -1)"
 timeout "$engine_s" python3 bench/gpu_engine.py 2>&1 | tee "$OUT/gpu_engine.log"
 if [ "$baseline_s" -gt 0 ]; then
     # The baseline reads its BUDGET only between its parts, each a minute or so: half the limit lets the last one end.

@@ -60,8 +60,9 @@ def gather_context(table: torch.Tensor, lens: torch.Tensor, block_size: int) -> 
     return table[:, :width], mask
 
 
-# Bytes of keys and values gathered at once: a piece that stays in cache between the copy and the attention reading
-# it, where a whole large batch's context would make both go out to memory.
+# Bytes of keys and values gathered at once on CPU: a piece that stays in cache between the copy and the attention
+# reading it, where a whole large batch's context would make both go out to memory. A GPU gathers the batch at once,
+# since a piece per few rows would cost it a launch of each kernel per piece.
 GATHER_BYTES = 4 << 20
 
 
@@ -73,7 +74,7 @@ def decode_sdpa(
     block = mask.shape[-1] // max(width, 1)
     per_row = 2 * width * block * kc[0].numel() * kc.element_size()
     rows = max(1, GATHER_BYTES // max(per_row, 1))
-    if rows >= batch:
+    if rows >= batch or q.is_cuda:
         return _decode_sdpa(q, kc, vc, ctx, mask, scale, block)
     out = torch.empty_like(q)
     for i in range(0, batch, rows):

@@ -17,6 +17,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ HEAD_DIMS = (64, 128)  # attention's builds
 # Off by more than this from what a kernel replaces, it is not used: bf16's rounding stays far below it.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# A build no process has loaded for this long is for a source, torch or CPU that is gone: it is deleted.
+UNUSED_FOR_S = 30 * 86400
 
 
 def _build_name() -> str:
@@ -48,6 +52,12 @@ def _build_name() -> str:
     return f"chatq_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
+def _build_root() -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
 @contextlib.contextmanager
 def _alone_in(directory: Path) -> Iterator[None]:
     """Holds the build directory against other processes. torch's own lock there is a file, which a process killed
@@ -55,9 +65,20 @@ def _alone_in(directory: Path) -> Iterator[None]:
     it, so its holder knows that torch's lock, if any, is such a leftover."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "chatq.lock", "w") as held:
+        os.utime(held.fileno())  # when a process last used this build, for _prune_unused
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
         yield
+
+
+def _prune_unused(root: Path, now: float) -> None:
+    """Deletes the builds under root that no process has loaded for UNUSED_FOR_S, skipping any held."""
+    for directory in root.glob("chatq_*"):
+        lock = directory / "chatq.lock"
+        with contextlib.suppress(OSError), open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if now - lock.stat().st_mtime > UNUSED_FOR_S:
+                shutil.rmtree(directory)
 
 
 @functools.cache
@@ -71,11 +92,12 @@ def load() -> Any | None:
         # activated.
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
         name = _build_name()
-        directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+        directory = _build_root() / name
         with _alone_in(directory):
             kernels = cpp_extension.load(
                 name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(directory)
             )
+        _prune_unused(directory.parent, time.time())
         agrees = all(_attention_error(kernels, dtype) < TOLERANCE[dtype] for dtype in DTYPES)
     except Exception as e:
         log.warning("chatq's CPU kernels are not available (%s): the forward pass uses torch's operations", e)

@@ -26,6 +26,10 @@ class DecodeGraphs:
         self.forward = forward
         cache = forward.cache
         dev = cache.k[0].device
+        self.capture = dev.type == "cuda"
+        if self.capture and not forward.paged:
+            # Decode attention without the kernel reads the step's context width on the host, which no graph holds.
+            raise RuntimeError("the paged decode kernel is off, so the decode step cannot be captured")
         self.spare_block = cache.spare_block
         self.spare_slot = cache.spare_block * cache.block_size
         self.sizes = buckets(max_batch)
@@ -35,7 +39,6 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=dev)
         self.table = torch.full((n, max_blocks), self.spare_block, dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.capture = dev.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.capture:
             # One output shared by every bucket: one per graph would hold an [n, V] float32 block per bucket, memory

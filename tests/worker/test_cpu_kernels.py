@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -134,3 +135,30 @@ def test_a_build_killed_part_way_leaves_the_next_to_finish(tmp_path):
     first.wait()
     assert held, "the first build was not caught holding torch's lock"
     subprocess.run(load, env=env, timeout=240, check=True)
+
+
+def test_builds_unused_for_a_month_are_deleted_unless_held(tmp_path):
+    now = time.time()
+    for name in ("chatq_old", "chatq_recent", "chatq_held", "other_old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "chatq.lock").touch()
+        (tmp_path / name / "chatq.so").write_bytes(b"\0" * 64)
+    for name in ("chatq_old", "chatq_held", "other_old"):
+        os.utime(tmp_path / name / "chatq.lock", (now - 31 * 86400,) * 2)
+    os.utime(tmp_path / "chatq_recent" / "chatq.lock", (now - 29 * 86400,) * 2)
+    with open(tmp_path / "chatq_held" / "chatq.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cpu_kernels._prune_unused(tmp_path, now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chatq_held", "chatq_recent", "other_old"]
+
+
+def test_loading_keeps_its_own_build_and_deletes_those_unused_for_a_month():
+    built_kernels()
+    root, month_ago = cpu_kernels._build_root(), time.time() - 31 * 86400
+    own, stale = root / cpu_kernels._build_name(), root / "chatq_000000000000"
+    stale.mkdir(exist_ok=True)
+    for directory in (own, stale):
+        (directory / "chatq.lock").touch()
+        os.utime(directory / "chatq.lock", (month_ago, month_ago))
+    assert cpu_kernels.load.__wrapped__() is not None
+    assert own.is_dir() and not stale.exists()
