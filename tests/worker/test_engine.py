@@ -429,3 +429,21 @@ def test_the_gpu_benchmark_runs_with_none_of_the_service_packages(tmp_path):
     assert results["facts"]["check_against_transformers_graphs0"] is True
     assert results["facts"]["check_against_transformers_graphs4"] is True
     assert [(r["model"], r["complete"]) for r in results["results"]] == [("tiny", True)]
+
+
+def test_the_gpu_benchmarks_greedy_check_names_the_first_wrong_token(monkeypatch):
+    from bench import gpu_engine
+
+    class OneTokenOff(gpu_engine.Engine):
+        def step(self):
+            outputs = super().step()
+            for o in outputs:
+                if o.finish and o.seq.id == "1":
+                    o.seq.output_ids[2] += 1
+            return outputs
+
+    assert gpu_engine.check_against_transformers(0) is True
+    monkeypatch.setattr(gpu_engine, "Engine", OneTokenOff)
+    differences = gpu_engine.check_against_transformers(0)
+    assert isinstance(differences, dict) and list(differences) == ["1"]
+    assert differences["1"].startswith("token 2: engine ")
