@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from typing import Any
 
 import orjson
 from celery import Celery
@@ -88,21 +89,28 @@ def task_message(app: Celery, job_id: str, queue: str, lane: int) -> tuple[str, 
     msg = app.amqp.as_task_v2(
         task_id, GENERATE_TASK, args=[job_id], ignore_result=None, argsrepr=repr([job_id]), kwargsrepr="{}"
     )
-    envelope = {
-        "body": base64.b64encode(orjson.dumps(msg.body)).decode(),
+    envelope = redis_envelope(msg, queue, lane, base64_body=True)
+    return keys.celery_lane(queue, lane), orjson.dumps(envelope).decode()
+
+
+def redis_envelope(msg: Any, queue: str, priority: int, *, base64_body: bool) -> dict[str, Any]:
+    """kombu's Redis envelope around a Celery task message, as its basic_publish writes it."""
+    body = orjson.dumps(msg.body)
+    properties = msg.properties | {
+        "delivery_mode": 2,
+        "delivery_info": {"exchange": "", "routing_key": queue},
+        "priority": priority,
+        "delivery_tag": str(uuid.uuid4()),
+    }
+    if base64_body:
+        properties["body_encoding"] = "base64"
+    return {
+        "body": base64.b64encode(body).decode() if base64_body else body.decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
         "headers": msg.headers,
-        "properties": msg.properties
-        | {
-            "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": queue},
-            "priority": lane,
-            "body_encoding": "base64",
-            "delivery_tag": str(uuid.uuid4()),
-        },
+        "properties": properties,
     }
-    return keys.celery_lane(queue, lane), orjson.dumps(envelope).decode()
 
 
 def task_fields(queue: str, message: str, now: float) -> dict[str, str]:

@@ -15,7 +15,7 @@ import orjson
 from celery import Celery
 
 from chatq.core import keys
-from chatq.core.queue import make_celery
+from chatq.core.queue import make_celery, redis_envelope
 from chatq.core.settings import Settings
 
 WEBHOOK_TASK = "chatq.webhook"
@@ -98,18 +98,6 @@ class Outbox:
             kwargsrepr="{}",
         )
         # The body as plain JSON (no body_encoding), so the script's words land in it as they are.
-        envelope = {
-            "body": orjson.dumps(msg.body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": msg.headers,
-            "properties": msg.properties
-            | {
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": keys.webhook_queue()},
-                "priority": 0,
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        }
+        envelope = redis_envelope(msg, keys.webhook_queue(), 0, base64_body=False)
         before, after = orjson.dumps(envelope).decode().split(marker)
         return [before, after]
