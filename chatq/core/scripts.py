@@ -188,7 +188,7 @@ _RECLAIM = (
     _EXTEND
     + _WEBHOOK
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery', 'index')
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker', 'attempts', 'deleted', 'delivery', 'index', 'idem')
 if h[1] ~= 'in_progress' or h[2] ~= ARGV[2] then return nil end
 if ARGV[4] ~= '0' then
   local beat = redis.call('ZSCORE', KEYS[4], ARGV[2])
@@ -221,6 +221,7 @@ elseif tonumber(h[3] or '0') >= tonumber(ARGV[5]) then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[11], 'finished', ARGV[3])
   for i = 1, 2 do redis.call('EXPIRE', KEYS[i], ARGV[9]) end
   if h[6] then extend(h[6], ARGV[9]) end
+  if h[7] then redis.call('EXPIRE', h[7], ARGV[9]) end
   redis.call('HINCRBYFLOAT', KEYS[9], 'success:error', 1)
   webhook(ARGV[12], KEYS[1], 'failed')
   return 'failed'

@@ -85,6 +85,9 @@ def test_a_job_out_of_attempts_fails_after_its_log_instead(r, model_settings):
     settings, job_id = model_settings, "chatcmpl-reclaim-spent"
     app = make_celery(settings)
     running_job(r, settings, job_id, "w@first#1")
+    idem = keys.idempotency("", job_id)  # as submit writes an Idempotency-Key: kept, without expiry, until the end
+    r.set(idem, job_id)
+    r.hset(keys.job(job_id), "idem", idem)
     alive(r, settings, "w@second#2")
     assert sweep(r, app, settings) == {job_id: "queued"}
     assert scripts.claim(r, job_id, settings.model_name, "w@second#2", LANE)
@@ -99,6 +102,7 @@ def test_a_job_out_of_attempts_fails_after_its_log_instead(r, model_settings):
     record = r.hgetall(keys.job(job_id))
     assert record["status"] == "failed" and json.loads(record["error"]) == error
     assert 0 < r.ttl(keys.job(job_id)) <= settings.result_ttl
+    assert 0 < r.ttl(idem) <= settings.result_ttl  # the key goes with the record, not left behind
     assert queued_tasks(r, settings) == 1  # only the first requeue's task
     # It ended with an error as far as /metrics tells, once.
     assert metrics.read(r.hgetall(keys.metrics(settings.model_name))).success == {"error": 1}
