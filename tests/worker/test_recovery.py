@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import openai
@@ -77,9 +77,15 @@ def assert_whole(fs: list[Frame]) -> None:
 
 
 def stream_signalling(
-    cluster: Cluster, http: httpx.Client, request: dict, at: int, *sigs: int
+    cluster: Cluster,
+    http: httpx.Client,
+    request: dict,
+    at: int,
+    *sigs: int,
+    before: Callable[[str], None] = lambda holder: None,
 ) -> tuple[list[Frame], str]:
-    """The frames of a streamed request whose worker gets `sigs` once the stream carried `at` events; that worker."""
+    """The frames of a streamed request whose worker gets `sigs` once the stream carried `at` events (and `before`
+    ran with that worker's name); that worker."""
     got: list[Frame] = []
     holder = ""
     with http.stream("POST", "/v1/chat/completions", json=request, timeout=httpx.Timeout(120, read=90)) as resp:
@@ -88,6 +94,7 @@ def stream_signalling(
             got.append(frame)
             if len(got) == at:
                 holder = cluster.holder(got[0].json["id"])
+                before(holder)
                 for sig in sigs:
                     cluster.signal(holder, sig)
                     time.sleep(0.2)
@@ -194,19 +201,40 @@ def test_a_job_whose_workers_keep_dying_fails_once_its_attempts_are_spent(cluste
     assert len(text_of(fs)) > 0  # what the attempts streamed stays in the log, before the error
 
 
+def running_on(cluster: Cluster, http: httpx.Client, worker: str, max_tokens: int) -> str:
+    """A background job that `worker` is generating; those submitted on the way, which others took, run there."""
+    for _ in range(20):
+        job_id = background(http, max_tokens)
+        if cluster.holder(job_id) == worker:
+            wait_status(http, job_id, "in_progress", "completed", tokens=1)
+            if cluster.r.hget(keys.job(job_id), "status") == "in_progress":
+                return job_id
+    raise AssertionError(f"{worker} took none of 20 jobs")
+
+
 def test_a_stopped_worker_finishes_what_fits_its_grace_and_hands_the_rest_over(cluster, http):
-    expected = answer(http, 200)
-    short = background(http, 4)
-    with ThreadPoolExecutor(1) as pool:
+    expected = answer(http, 400)
+    short: list[Future] = []
+
+    def ended(job_id: str) -> tuple[dict, list[str]]:
         # Read as it completes: the long stream may outlast the short job's result (result_ttl).
-        short_done = pool.submit(wait_status, http, short, "completed")
-        fs, stopped = stream_signalling(cluster, http, body(200, stream=True), 10, signal.SIGTERM)
+        return wait_status(http, job_id, "completed"), cluster.r.hmget(keys.job(job_id), "worker", "attempts")
+
+    with ThreadPoolExecutor(1) as pool:
+
+        def start_short(holder: str) -> None:
+            short.append(pool.submit(ended, running_on(cluster, http, holder, 12)))
+
+        fs, stopped = stream_signalling(cluster, http, body(400, stream=True), 10, signal.SIGTERM, before=start_short)
     assert_whole(fs)
     assert text_of(fs) == expected
     long_id = fs[0].json["id"]
     assert finished_by(cluster, long_id) != stopped
     assert cluster.r.hget(keys.job(long_id), "attempts") == "1"  # handed over, not lost: no attempt counted
-    assert short_done.result()["choices"][0]["finish_reason"] == "length"
+    # The short job, running when the signal came, ended on the stopped worker within its grace.
+    job, (worker, attempts) = short[0].result()
+    assert job["choices"][0]["finish_reason"] == "length" and job["usage"]["completion_tokens"] == 12
+    assert worker.split("@")[0] == stopped and attempts == "1"
     assert cluster.procs[stopped].wait(timeout=60) == 0
     cluster.wait_live(cluster.start_worker())
 
