@@ -15,9 +15,7 @@ import pytest
 
 from chatq.core.settings import Settings
 from chatq.embedded_redis import free_port
-from tests.helpers import alive
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, alive
 
 
 def _wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -193,12 +191,16 @@ def test_up_gives_flower_its_login_and_no_other_service(tmp_path: Path) -> None:
         up.wait(timeout=30)
 
 
-def test_up_starts_the_webhook_worker_only_with_webhook_urls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("urls", ["http://h/x", ""], ids=["webhook-urls", "none"])
+def test_up_starts_the_webhook_worker_only_with_webhook_urls(tmp_path: Path, urls: str) -> None:
     pid = "echo $$ >> $0/pids; exec sleep 600"
-    secret = "whsec_c2VjcmV0"
-    up = fake_up(tmp_path, "exec sleep 600", pid, pid, CHATQ_WEBHOOK_URLS="http://h/x", CHATQ_WEBHOOK_SECRET=secret)
+    hooks = {"CHATQ_WEBHOOK_URLS": urls, "CHATQ_WEBHOOK_SECRET": "whsec_c2VjcmV0"} if urls else {}
+    up = fake_up(tmp_path, "exec sleep 600", pid, pid, **hooks)
+    started = 4 if urls else 3  # the worker, the API, Flower, and the webhook worker with URLs
     try:
-        assert len(_wait_for_pids(tmp_path, up, 4)) == 4  # the worker, the API, Flower, the webhook worker
+        _wait_for_pids(tmp_path, up, started)
+        time.sleep(1)  # one more, started with the others, would have written its pid by now
+        assert len((tmp_path / "pids").read_text().split()) == started
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=30)

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import redis
 
-from tests.helpers import alive
+from tests.helpers import ROOT, alive
 
 # Starts an EmbeddedRedis, prints its port and pid, and waits, through a Ctrl-C too, as `chatq up` stops its other
 # services before Redis. Python only turns SIGINT into KeyboardInterrupt if its parent did not ignore the signal, as
@@ -45,7 +44,7 @@ def test_redis_takes_no_ctrl_c_of_its_own_and_ends_with_whoever_started_it(tmp_p
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
     )
     assert child.stdout is not None
     port, pid = map(int, child.stdout.readline().split())

@@ -96,18 +96,15 @@ def allowed(state: GrammarState) -> torch.Tensor:
 
 # --- masks and states, tokenizer only ------------------------------------------------------------------------
 
+ADA = '{"name": "Ada", "age": 36, "status": "active", "address": {"city": "London", "zip": "12345"}, "tags": ["x"]}'
+
 # (grammar, a valid output, a prefix of it, a continuation of that prefix the grammar forbids)
 CASES: dict[str, tuple[Any, str, str, str]] = {
-    "nested_json": (
-        lambda c: c.json_schema(PERSON),
-        '{"name": "Ada", "age": 36, "status": "active", "address": {"city": "London", "zip": "12345"}, "tags": ["x"]}',
-        '{"name": "Ada", "age": ',
-        '"36"',
-    ),
-    "enum": (lambda c: c.json_schema(PERSON), "", '{"name": "Ada", "age": 36, "status": "', 'unknown"'),
+    "nested_json": (lambda c: c.json_schema(PERSON), ADA, '{"name": "Ada", "age": ', '"36"'),
+    "enum": (lambda c: c.json_schema(PERSON), ADA, '{"name": "Ada", "age": 36, "status": "', 'unknown"'),
     "pattern": (
         lambda c: c.json_schema(PERSON),
-        "",
+        ADA,
         '{"name": "Ada", "age": 36, "status": "active", "address": {"city": "London", "zip": "',
         'abc"',
     ),
@@ -136,16 +133,15 @@ CASES: dict[str, tuple[Any, str, str, str]] = {
 def test_valid_output_is_accepted_and_terminates(case: str, compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
     build, valid, prefix, bad = CASES[case]
     grammar = build(compiler)
-    if valid:
-        state = GrammarState(grammar)
-        for t in ids(tokenizer, valid):
-            assert allowed(state)[t], tokenizer.decode([t])
-            assert state.accept(t)
-        assert not state.is_terminated()
-        eos = compiler.eos_token_ids[0]
-        assert allowed(state)[eos]
-        assert state.accept(eos)
-        assert state.is_terminated()
+    state = GrammarState(grammar)
+    for t in ids(tokenizer, valid):
+        assert allowed(state)[t], tokenizer.decode([t])
+        assert state.accept(t)
+    assert not state.is_terminated()
+    eos = compiler.eos_token_ids[0]
+    assert allowed(state)[eos]
+    assert state.accept(eos)
+    assert state.is_terminated()
 
     state = GrammarState(grammar)
     for t in ids(tokenizer, prefix):
@@ -278,9 +274,12 @@ def test_invalid_grammars_raise_value_errors(compiler: GrammarCompiler, build: A
 
 
 def test_compile_is_cached(compiler: GrammarCompiler) -> None:
-    assert compiler.json_schema(PERSON) is not None
-    first, again = compiler.tool_calls(TOOLS), compiler.tool_calls(TOOLS)
-    assert first.serialize_json() == again.serialize_json()
+    compiler._compiler.clear_cache()
+    first = compiler.tool_calls(TOOLS)
+    cached = compiler._compiler.get_cache_size_bytes()
+    assert cached > 0
+    assert compiler.tool_calls(TOOLS).serialize_json() == first.serialize_json()
+    assert compiler._compiler.get_cache_size_bytes() == cached  # the second was the first, not compiled again
 
 
 # --- constrained decoding with the real model -----------------------------------------------------------------
