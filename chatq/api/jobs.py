@@ -116,7 +116,7 @@ class JobStore:
         listing = Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         done = await self._submit(job.id, model, fields, queue, message, score, idem, listing)
         if done.outcome is Outcome.existing:
-            return Submission(await self.get(done.job_id, owner), None, created=False)
+            return Submission(await self._named(done.job_id, owner, kind, idempotency_key), None, created=False)
         if done.outcome is Outcome.full:
             raise QueueFull(model, QUEUE_FULL_RETRY_AFTER)
         if done.outcome is Outcome.taken or done.rank is None:
@@ -125,6 +125,19 @@ class JobStore:
         # The job's one line in the API's log: what ties a request to the worker's lines about its job.
         log.info("job %s queued for %s at position %d", job.id, model, done.rank + 1)
         return Submission(job, done.rank + 1, created=True)
+
+    async def _named(self, job_id: str, owner: str, kind: str, idempotency_key: str | None) -> Job:
+        """The job an Idempotency-Key named, if this route can show it: chat and legacy completions show each other's
+        jobs, the Responses API only its own."""
+        job = await self.get(job_id, owner)
+        if (job.kind == "response") != (kind == "response"):
+            what = "a response" if job.kind == "response" else "a completion"
+            raise Conflict(
+                f"Idempotency-Key {idempotency_key!r} already names {what} ({job.id}), which this route does not "
+                "serve; use another key.",
+                "Idempotency-Key",
+            )
+        return job
 
     async def _submit(
         self,

@@ -172,6 +172,25 @@ def test_an_idempotency_key_is_bound_to_its_route_kind_only_by_the_job_it_names(
     assert other.status_code == 202 and other.json()["id"] == job_id
 
 
+def test_an_idempotency_key_of_a_completion_is_refused_by_the_responses_api_and_back(
+    http: httpx.Client, r: redis.Redis, model_name
+):
+    chat_key, response_key = ({"Idempotency-Key": f"k-{uuid.uuid4()}"} for _ in range(2))
+    job_id = _background(http, 2, chat_key).json()["id"]
+    created = http.post(
+        "/v1/responses", json={"input": "x", "max_output_tokens": 16, "background": True}, headers=response_key
+    )
+    assert created.status_code == 200, created.text
+    before = snapshot(r, model_name)
+    crossed = http.post("/v1/responses", json={"input": "x", "background": True}, headers=chat_key)
+    assert_error(crossed, 409, "ConflictError", "Idempotency-Key")
+    assert job_id in crossed.json()["error"]["message"]
+    back = _background(http, 2, response_key)
+    assert_error(back, 409, "ConflictError", "Idempotency-Key")
+    assert created.json()["id"] in back.json()["error"]["message"]
+    assert snapshot(r, model_name)[0] == before[0]  # no job was created
+
+
 @pytest.mark.parametrize("key", ["x" * 256, "tab\there", "caf\u00e9"])
 def test_an_invalid_idempotency_key_is_a_400(http: httpx.Client, r: redis.Redis, model_name, key: str):
     before = snapshot(r, model_name)
