@@ -1,7 +1,7 @@
 """Tool calls forced by tool_choice: the grammar fixes the output's shape, so parsing is direct.
 
 Named: the whole output is that function's arguments, streamed as argument fragments behind one id and name.
-Required: the output is a JSON array of {"name", "parameters"} objects, read once it is complete.
+Required: the output is a JSON array of {"name", "parameters"} objects, read once it ends.
 """
 
 from __future__ import annotations
@@ -37,15 +37,29 @@ class RequiredToolParser(Parser):
         return Delta()
 
     def finish(self) -> Delta:
+        calls = []
+        for i, item in enumerate(_complete_items(self.text)):
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
+                return Delta(content=self.text)
+            if (args := arguments_json(item["parameters"])) is None:
+                return Delta(content=self.text)
+            calls.append(ToolCallDelta(i, new_call_id(), item["name"], args))
+        # A generation cut short (max_tokens) ends the array early: its complete calls are kept, the one it was
+        # writing dropped. With none complete, the text is all there is, as content.
+        return Delta(tool_calls=calls) if calls else Delta(content=self.text)
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON array that were written whole, up to where `text` ends (the grammar's compact layout)."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    if not at or text[:at].strip() != "[":
+        return []
+    while True:
+        while at < len(text) and text[at] in " \n\t\r,":
+            at += 1
         try:
-            items = json.loads(self.text)
-            calls = []
-            for i, item in enumerate(items):
-                args = arguments_json(item["parameters"])
-                if not isinstance(item["name"], str) or args is None:
-                    raise ValueError("not a call")
-                calls.append(ToolCallDelta(i, new_call_id(), item["name"], args))
-        except (ValueError, TypeError, KeyError, RecursionError):
-            # Only a generation cut short (max_tokens) leaves the array unfinished: keep the text, as content.
-            return Delta(content=self.text)
-        return Delta(tool_calls=calls)
+            item, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return items
+        items.append(item)

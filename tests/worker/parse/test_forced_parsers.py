@@ -41,3 +41,16 @@ def test_required_calls_are_read_from_the_array():
 def test_unfinished_required_array_stays_content():
     content, _, calls = collect(RequiredToolParser(), ['[{"name": "a", "param'])
     assert calls == [] and content == '[{"name": "a", "param'
+
+
+def test_a_required_array_cut_short_keeps_its_complete_calls():
+    text = '[{"name": "a", "parameters": {"x": [1, 2]}}, {"name": "b", "parameters": {"q": "of'
+    for pieces in chunkings(text):
+        content, _, calls = collect(RequiredToolParser(), pieces)
+        assert content is None
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("a", '{"x": [1, 2]}')]
+
+
+@pytest.mark.parametrize("text", ["[1]", '[{"name": "a"}]', '[{"name": 3, "parameters": {}}]', "{}"])
+def test_a_required_array_of_other_json_stays_content(text):
+    assert collect(RequiredToolParser(), [text])[::2] == (text, [])
