@@ -72,8 +72,9 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
     # The id is chosen here, so the input items' ids can carry it.
     response_id = "resp_" + (sub.request_id or uuid.uuid4().hex)
     items = responses.input_items(body, response_id)
-    chat = responses.chat_request(body, [*context, *items])
-    prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
+    chat, names = responses.chat_request(body, context, items)
+    with names.told():
+        prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
     stored = {"request": body.echo(), "input": items, "context": context}
     job, _, created = await svc.store.submit(
         chat,

@@ -6,6 +6,9 @@ events here are a pure function of that log, so their sequence numbers are the s
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -154,36 +157,44 @@ def _part(part: Any, where: str) -> dict[str, Any]:
     return part
 
 
-def messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """The conversation as chat messages: function calls join the assistant turn they follow."""
+def messages(items: list[dict[str, Any]], instructions: str | None) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """The conversation as chat messages: function calls join the assistant turn they follow. With them, for each
+    message, the index of its item, then of each of its calls' items (-1: the instructions)."""
     out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    for item in items:
+    origins: list[list[int]] = [[-1]] if instructions else []
+    for i, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
             out.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+            origins.append([i])
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function", "function": _call_function(item)}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            elif last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [call]
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+                origins[-1].append(i)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                origins.append([i, i])
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    return out
+            origins.append([i])
+    return out, origins
 
 
 def _call_function(item: dict[str, Any]) -> dict[str, str]:
     return {"name": item["name"], "arguments": item["arguments"]}
 
 
-def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request the job runs for `req`, over the whole conversation (earlier responses' items first)."""
-    msgs = messages(conversation, req.instructions)
+def chat_request(
+    req: ResponsesRequest, context: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, Names]:
+    """The chat request the job runs for `req`, over the whole conversation (the earlier responses' items in
+    `context`, then this one's), and the names its errors are to be told in."""
+    msgs, origins = messages([*context, *items], req.instructions)
     if not msgs:
         raise BadRequest("input must hold at least one message.", "input")
+    names = Names(origins, len(context))
     fields: dict[str, Any] = {
         "messages": msgs,
         "model": req.model,
@@ -203,11 +214,67 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
         fields["tool_choice"] = NamedToolChoice(function={"name": req.tool_choice.name})
     else:
         fields["tool_choice"] = req.tool_choice
-    try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
-    except ValidationError as e:  # what the Responses fields allow but a chat request does not
-        first = e.errors()[0]
-        raise BadRequest(f"{first['msg']} ({'.'.join(map(str, first['loc']))})", None) from None
+    with names.told():
+        try:
+            return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None}), names
+        except ValidationError as e:  # what the Responses fields allow but a chat request does not
+            first = e.errors()[0]
+            raise BadRequest(first["msg"], ".".join(map(str, first["loc"]))) from None
+
+
+# The chat request's fields that a Responses request names otherwise.
+RENAMED = {
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+_RENAMED_WORD = re.compile(r"\b(" + "|".join(RENAMED) + r")\b")
+
+
+@dataclass(frozen=True)
+class Names:
+    """Tells an error in the chat request a response runs in the Responses request's own names: `max_output_tokens`,
+    `text.format`, and the input item a message came from (`input[2].arguments`)."""
+
+    origins: list[list[int]]  # messages() second value
+    context: int  # how many of the conversation's items an earlier response gave
+
+    @contextmanager
+    def told(self) -> Iterator[None]:
+        try:
+            yield
+        except BadRequest as e:
+            raise BadRequest(_RENAMED_WORD.sub(lambda m: RENAMED[m[1]], e.message), self.param(e.param)) from None
+
+    def param(self, chat: str | None) -> str | None:
+        if chat is None:
+            return None
+        head, _, rest = chat.partition(".")
+        if head == "messages":
+            return self._item(rest)
+        if head == "response_format":
+            return "text.format" + rest.removeprefix("json_schema").rstrip(".")
+        if head == "tools" and rest:
+            index, _, field = rest.partition(".")
+            return f"tools[{index}]" + field.removeprefix("function")
+        return RENAMED.get(head, head) + (f".{rest}" if rest else "")
+
+    def _item(self, path: str) -> str:
+        index, _, rest = path.partition(".")
+        if not index.isdigit() or int(index) >= len(self.origins):
+            return "input"
+        origin = self.origins[int(index)]
+        call = rest.split(".")
+        if call[0] == "tool_calls" and len(call) > 1 and call[1].isdigit() and int(call[1]) + 1 < len(origin):
+            where, rest = self._where(origin[int(call[1]) + 1]), ".".join(call[2:]).removeprefix("function.")
+        else:
+            where = self._where(origin[0])
+        return where + (f".{rest}" if rest and where.startswith("input") else "")
+
+    def _where(self, item: int) -> str:
+        if item < 0:
+            return "instructions"
+        return "previous_response_id" if item < self.context else f"input[{item - self.context}]"
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -216,8 +283,9 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    if not fmt.name:
-        raise BadRequest("Missing required parameter: 'text.format.name'.", "text.format.name")
+    for name, value in (("name", fmt.name), ("schema", fmt.schema_)):
+        if not value:
+            raise BadRequest(f"Missing required parameter: 'text.format.{name}'.", f"text.format.{name}")
     schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}
     return {"type": "json_schema", "json_schema": schema}
 

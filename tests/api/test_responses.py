@@ -135,6 +135,31 @@ def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI, extra: di
     assert e.value.status_code == 400 and e.value.param == param
 
 
+CALLED = [
+    {"role": "user", "content": "Hi"},
+    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "not json"},
+    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"uniqueItems": True}}}}, "text.format"),
+        ({"tools": [WEATHER | {"parameters": {"not": {}}}], "tool_choice": "required"}, "tools[0].parameters"),
+        ({"input": CALLED, "instructions": "Be brief."}, "input[1].arguments"),
+    ],
+)
+def test_an_invalid_field_is_named_as_the_responses_api_names_it(client: openai.OpenAI, extra: dict, param: str):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"input": "Hi"} | extra)
+    assert e.value.status_code == 400 and e.value.param == param
+    message = e.value.body["message"]  # type: ignore[index]
+    assert not any(chat in message for chat in ("max_completion_tokens", "response_format", "messages."))
+
+
 def test_a_json_schema_format_holds(client: openai.OpenAI):
     schema = {
         "type": "object",

@@ -27,7 +27,7 @@ def test_a_tool_round_trip_becomes_the_chat_turns_it_stands_for():
         tools=[{"type": "function", "name": "w"}],
         text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
     )
-    chat = responses.chat_request(req, responses.input_items(req, "resp_abc"))
+    chat, _ = responses.chat_request(req, [], responses.input_items(req, "resp_abc"))
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool"]
     assert [c["id"] for c in chat.messages[2].tool_calls or []] == ["c1", "c2"]
     assert chat.forced_tool == "w" and chat.response_format is not None
@@ -71,3 +71,19 @@ def test_reasoning_text_and_a_call_stream_as_three_items_numbered_in_order():
 
 def _call() -> dict:
     return {"id": "chatcmpl-tool-9", "function": {"name": "w", "arguments": "{}"}}
+
+
+def test_a_chat_field_is_named_by_the_responses_item_it_came_from():
+    earlier = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c0", "name": "f", "arguments": "{}"},
+    ]
+    req = ResponsesRequest(input=[{"type": "function_call_output", "call_id": "c0", "output": "x"}], instructions="Hi")
+    _, names = responses.chat_request(req, earlier, responses.input_items(req, "resp_abc"))
+    # messages: the instructions, the earlier user turn, its call's assistant turn, this input's tool output.
+    assert names.param("messages.0.content") == "instructions"
+    assert names.param("messages.1") == "previous_response_id"
+    assert names.param("messages.2.tool_calls.0.function.arguments") == "previous_response_id"
+    assert names.param("messages.3.content") == "input[0].content"
+    assert names.param("messages") == "input" and names.param("max_completion_tokens") == "max_output_tokens"
+    assert names.param("response_format.json_schema") == "text.format" and names.param("top_p") == "top_p"

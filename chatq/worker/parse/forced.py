@@ -7,6 +7,7 @@ Required: the output is a JSON array of {"name", "parameters"} objects, read onc
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from chatq.core.delta import Delta, ToolCallDelta
 from chatq.worker.parse import Parser
@@ -49,9 +50,10 @@ class RequiredToolParser(Parser):
         return Delta(tool_calls=calls) if calls else Delta(content=self.text)
 
 
-def _complete_items(text: str) -> list:
+def _complete_items(text: str) -> list[Any]:
     """The items of a JSON array that were written whole, up to where `text` ends (the grammar's compact layout)."""
-    decoder, items = json.JSONDecoder(), []
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
     at = text.find("[") + 1
     if not at or text[:at].strip() != "[":
         return []
