@@ -338,10 +338,17 @@ def output_items(response_id: str, result: dict[str, Any] | None) -> list[dict[s
     if message.get("reasoning"):
         out.append(reasoning_item(reasoning_id(response_id), message["reasoning"]))
     if message.get("content"):
-        out.append(message_item(message_id(response_id), message["content"]))
+        status = item_status(result["choices"][0].get("finish_reason"))
+        out.append(message_item(message_id(response_id), message["content"], status))
     for call in message.get("tool_calls") or []:
         out.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     return out
+
+
+def item_status(finish_reason: str | None) -> str:
+    """A message item's status once its choice ended: a text cut short (by max_output_tokens, a cancel or a failure)
+    is `incomplete`."""
+    return "completed" if finish_reason in ("stop", "tool_calls") else "incomplete"
 
 
 def _usage(job: Job) -> dict[str, Any]:
@@ -429,7 +436,7 @@ class ResponseEvents:
         """The events for one of the job's events; `ended` is set at its `done` (then `terminal` follows)."""
         if event.event is EventKind.done:
             self.ended = True
-            return self._close()
+            return self._close(item_status(None))
         if event.event is EventKind.error or not event.data or not event.data.get("choices"):
             return []
         out = [] if self.started else [self._ev("response.in_progress", response=snapshot)]
@@ -437,7 +444,7 @@ class ResponseEvents:
         choice = event.data["choices"][0]
         out += self._delta(choice.get("delta") or {})
         if choice.get("finish_reason") is not None:
-            out += self._close()
+            out += self._close(item_status(choice["finish_reason"]))
         return out
 
     def terminal(self, response: dict[str, Any]) -> list[dict[str, Any]]:
@@ -494,7 +501,7 @@ class ResponseEvents:
         where = {"item_id": target.item["id"], "output_index": target.index}
         return [*out, self._ev("response.function_call_arguments.delta", **where, delta=fn["arguments"])]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         cur, self.current = self.current, None
         if cur is None:
             return []
@@ -505,7 +512,7 @@ class ResponseEvents:
                 self._ev("response.function_call_arguments.done", **where, name=item["name"], arguments=cur.text)
             ]
         elif item["type"] == "message":
-            done = message_item(item["id"], cur.text)
+            done = message_item(item["id"], cur.text, status)
             closing = [
                 self._ev("response.output_text.done", **where, content_index=0, text=cur.text, logprobs=[]),
                 self._part("response.content_part.done", cur, cur.text),

@@ -54,6 +54,10 @@ def test_running_out_of_tokens_is_incomplete(client: openai.OpenAI):
     resp = client.responses.create(input=ASK, max_output_tokens=4, temperature=0)
     assert resp.status == "incomplete" and resp.incomplete_details is not None
     assert resp.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in resp.output] == ["incomplete"]  # its text was cut short too
+    final = list(client.responses.create(input=ASK, max_output_tokens=4, temperature=0, stream=True))
+    done = [e.item.status for e in final if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and final[-1].response.output[0].status == "incomplete"
 
 
 def test_a_stream_sends_the_typed_events_in_order(client: openai.OpenAI):
@@ -82,6 +86,7 @@ def test_the_stream_helper_gets_the_final_response(client: openai.OpenAI, model_
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == text
+    assert [item.status for item in final.output] == ["completed"]
 
 
 def test_a_background_response_resumes_where_its_stream_stopped(client: openai.OpenAI):
@@ -110,6 +115,8 @@ def test_cancel_is_idempotent_and_the_stream_ends(client: openai.OpenAI):
     assert again.status == "cancelled" and again.output_text == cancelled.output_text
     events = list(client.responses.retrieve(resp.id, stream=True))
     assert events[-1].response.status == "cancelled"  # a resumed stream of a cancelled response ends
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    assert [item.status for item in cancelled.output] == ["incomplete"]
 
 
 def test_delete_removes_the_response(client: openai.OpenAI):

@@ -65,7 +65,8 @@ def test_reasoning_text_and_a_call_stream_as_three_items_numbered_in_order():
     assert done[2]["arguments"] == "{}" and done[2]["id"] == "fc_9" and done[1]["content"][0]["text"] == "Hi"
     assert out[-1]["type"] == "response.completed"
     # The stored result's items are the streamed ones.
-    result = {"choices": [{"message": {"reasoning": "hm", "content": "Hi", "tool_calls": [_call()]}}]}
+    message = {"reasoning": "hm", "content": "Hi", "tool_calls": [_call()]}
+    result = {"choices": [{"message": message, "finish_reason": "tool_calls"}]}
     assert responses.output_items("resp_abc", result) == done
 
 
