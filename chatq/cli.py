@@ -286,9 +286,22 @@ def chat(settings: Settings, prompt: str, max_tokens: int | None, temperature: f
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
                 return 1
             for choice in data.get("choices", []):
-                print(choice["delta"].get("content") or "", end="", flush=True)
+                show_delta(choice["delta"])
     print()
     return 0
+
+
+def show_delta(delta: dict) -> None:
+    """A streamed delta as it reads in a terminal: the answer on stdout, a thought on stderr (so that a pipe gets
+    the answer alone), each tool call on a line of its own."""
+    if delta.get("reasoning"):
+        print(delta["reasoning"], end="", file=sys.stderr, flush=True)
+    print(delta.get("content") or "", end="", flush=True)
+    for call in delta.get("tool_calls") or []:
+        function = call.get("function") or {}
+        if function.get("name"):
+            print(f"\n[tool call] {function['name']} ", end="")
+        print(function.get("arguments") or "", end="", flush=True)
 
 
 def job(settings: Settings, action: str, job_id: str) -> int:

@@ -206,6 +206,25 @@ def test_up_starts_the_webhook_worker_only_with_webhook_urls(tmp_path: Path, url
         up.wait(timeout=30)
 
 
+def test_chat_shows_a_thought_on_stderr_and_tool_calls_on_their_own_lines(capsys: pytest.CaptureFixture) -> None:
+    from chatq.cli import show_delta
+
+    deltas = [
+        {"role": "assistant", "content": ""},
+        {"reasoning": "Paris, "},
+        {"reasoning": "surely."},
+        {"content": "Let me check."},
+        {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "get_weather", "arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "c1", "function": {"name": "get_time", "arguments": "{}"}}]},
+    ]
+    for delta in deltas:
+        show_delta(delta)
+    out, err = capsys.readouterr()
+    assert err == "Paris, surely."
+    assert out == 'Let me check.\n[tool call] get_weather {"city": "Paris"}\n[tool call] get_time {}'
+
+
 def test_a_misspelt_setting_is_named_not_silently_ignored() -> None:
     from chatq.cli import unknown_variables
 
