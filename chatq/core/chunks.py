@@ -14,12 +14,14 @@ SYSTEM_FINGERPRINT = "chatq"
 
 @dataclass
 class TokenInfo:
-    """One generated token's logprob entry, already decoded."""
+    """One generated token's logprob entry, already decoded. A token's bytes are its text's UTF-8, except for a token
+    that holds part of a character, whose text is U+FFFD: then they are what it holds, for a client to join."""
 
     token: str
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, float, list[int] | None]]  # (token, logprob, bytes)
     offset: int = 0  # where its text begins in the choice's text (legacy text_offset)
+    bytes: list[int] | None = None  # None: the token's UTF-8
 
 
 def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -53,13 +55,15 @@ def delta_json(delta: Delta) -> dict[str, Any]:
     return out
 
 
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _entry(token: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()) if raw is None else raw}
 
 
 def chat_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     return {
-        "content": [{**_entry(t.token, t.logprob), "top_logprobs": [_entry(s, lp) for s, lp in t.top]} for t in tokens]
+        "content": [
+            {**_entry(t.token, t.logprob, t.bytes), "top_logprobs": [_entry(*top) for top in t.top]} for t in tokens
+        ]
     }
 
 
@@ -69,7 +73,7 @@ def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
-        "top_logprobs": [{t.token: t.logprob, **dict(t.top)} for t in tokens],
+        "top_logprobs": [{t.token: t.logprob, **{s: lp for s, lp, _ in t.top}} for t in tokens],
         "text_offset": [t.offset for t in tokens],
     }
 
@@ -114,7 +118,13 @@ class ChatChunks:
     def read_logprobs(logprobs: dict[str, Any] | None) -> list[TokenInfo]:
         """The entries a chunk's logprobs hold, as `logprobs` took them."""
         return [
-            TokenInfo(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            TokenInfo(
+                e["token"],
+                e["logprob"],
+                [(t["token"], t["logprob"], t["bytes"]) for t in e["top_logprobs"]],
+                0,
+                e["bytes"],
+            )
             for e in (logprobs or {}).get("content") or []
         ]
 
@@ -207,7 +217,7 @@ class TextChunks(ChatChunks):
         if not logprobs:
             return []
         columns = zip(*(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), strict=True)
-        return [TokenInfo(t, lp, list(top.items()), offset) for t, lp, top, offset in columns]
+        return [TokenInfo(t, lp, [(s, v, list(s.encode())) for s, v in top.items()], o) for t, lp, top, o in columns]
 
     def final_choice(
         self,

@@ -394,3 +394,27 @@ def test_a_job_resumed_from_any_point_of_its_log_continues_it_exactly(decoder, c
         result = _feed(again, tokens, resumed)
         assert [e.to_json() for e in resumed] == [e.to_json() for e in events], f"cut after {cut}"
         assert result == whole
+
+
+def test_logprob_bytes_of_tokens_that_split_a_character_join_into_it(decoder):
+    text = "\u200b日本 ok"  # a zero-width space and 日 each take two tokens here
+    run = JobRun(job(logprobs=True, top_logprobs=1, stream=True), model_info(200, (2,)), decoder, settings=Settings())
+    events = run.start()
+    c = run.choices[0]
+    tokens = ids(decoder, text)
+    assert any(decoder.token(t) == "\ufffd" for t in tokens)
+    for t in [*tokens, 2]:
+        c.seq.output_ids.append(t)
+        finish = Finish.stop if t == 2 else None
+        events += run.on_output(c, Output(c.seq, t, finish, TokenLogprob(-1.0, [(t, -1.0)])))[0]
+    streamed = [
+        e
+        for ev in events
+        if ev.data
+        for ch in ev.data.get("choices", [])
+        for e in (ch["logprobs"] or {}).get("content", [])
+    ]
+    [choice] = run.end()[1].result["choices"]
+    for entries in (streamed, choice["logprobs"]["content"]):
+        assert bytes(b for e in entries for b in e["bytes"]).decode() == text
+        assert all(e["bytes"] == e["top_logprobs"][0]["bytes"] for e in entries)
