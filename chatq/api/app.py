@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
@@ -61,6 +62,11 @@ def create_app(settings: Settings) -> FastAPI:
     # The app's own registry, not the global one: each app counts its own requests (tests build several).
     app.state.metrics_registry = registry = CollectorRegistry()
     app.add_middleware(metrics.HTTPMetrics, requests=metrics.http_counter(registry))
+    if origins := settings.cors_origin_list:
+        # No cookies are read: a page's requests carry their key as a header, and Retry-After is for its eyes too.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"], expose_headers=["*"]
+        )
     app.include_router(router)
     app.include_router(responses.router)
     app.include_router(open_router)

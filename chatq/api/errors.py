@@ -73,6 +73,8 @@ def _validation_error(e: RequestValidationError) -> BadRequest:
     msg = first.get("msg", "Invalid request")
     if first.get("type") == "missing":
         msg = f"Missing required parameter: '{param}'." if param else "The request body is missing."
+    elif not param and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        msg = "The request body must be a JSON object (with content-type application/json)."
     return BadRequest(f"{msg} ({param})" if param and "'" not in msg else msg, param)
 
 

@@ -243,7 +243,7 @@ def _detokenize(model: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
     return {"prompt": model.info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-@open_router.get("/", include_in_schema=False)
+@open_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def playground() -> FileResponse:
     """The playground page; it needs no key, and asks for one when the API does. Its scripts and styles are the API's
     own (PLAYGROUND, mounted at /playground): the policy lets the page load nothing from anywhere else."""
@@ -278,6 +278,7 @@ def _card(model: ServedModel) -> dict[str, Any]:
     }
 
 
+@open_router.head("/health", include_in_schema=False)  # for uptime checks that send HEAD
 @open_router.get("/health")
 async def health(svc: Svc) -> Any:
     """Healthy while Redis answers and some model has a live worker; says which ones do."""

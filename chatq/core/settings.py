@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     max_queued: NonNegative = 1000
     # Request bodies larger than this are a 413, refused before they are read whole.
     max_body_bytes: Positive = 4 * 1024 * 1024
+    # Comma-separated origins whose pages may call the API from a browser (CORS), "*" for any; empty: none, so a
+    # page on another site cannot use a service running open on localhost.
+    cors_origins: str = ""
     # Threads that render and tokenize prompts off the event loop, at most this many at once.
     render_threads: Positive = Field(default_factory=lambda: 2 * (os.cpu_count() or 1))
 
@@ -176,6 +179,10 @@ class Settings(BaseSettings):
     def api_key_list(self) -> list[str]:
         """The configured API keys, blanks around commas dropped."""
         return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def webhook_url_list(self) -> list[str]:

@@ -132,3 +132,20 @@ def test_the_command_sends_its_key(guarded: Guarded):
     for key, error_type in ((None, "AuthenticationError"), (KEY_B, "NotFoundError")):
         run = subprocess.run(command, env=env | ({"CHATQ_API_KEY": key} if key else {}), capture_output=True, text=True)
         assert run.returncode == 1 and json.loads(run.stdout)["error"]["type"] == error_type, run.stderr
+
+
+def test_only_the_configured_origins_may_call_from_a_browser(settings: Settings):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    preflight["Access-Control-Request-Headers"] = "authorization, content-type"
+    with TestClient(create_app(settings)) as http:
+        closed = http.options("/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in closed.headers
+    allowed = settings.model_copy(update={"cors_origins": "https://app.example, https://other.example"})
+    with TestClient(create_app(allowed)) as http:
+        opened = http.options("/v1/chat/completions", headers=preflight)
+        assert opened.status_code == 200 and opened.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in opened.headers["access-control-allow-headers"].lower()
+        foreign = http.options("/v1/chat/completions", headers=preflight | {"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in foreign.headers
+        listed = http.get("/version", headers={"Origin": "https://other.example"})
+        assert listed.headers["access-control-allow-origin"] == "https://other.example"

@@ -247,6 +247,18 @@ def test_an_empty_body_is_a_400_that_says_so(http, r, model_name):
     assert snapshot(r, model_name) == before
 
 
+@pytest.mark.parametrize(
+    ("raw", "content_type"),
+    [(b"[1]", "application/json"), (b"null", "application/json"), (b'{"messages": []}', "text/plain")],
+)
+def test_a_body_that_is_no_json_object_is_a_400_that_says_so(http, r, model_name, raw, content_type):
+    before = snapshot(r, model_name)
+    resp = http.post("/v1/chat/completions", content=raw, headers={"content-type": content_type})
+    assert_error(resp, 400, "BadRequestError", None)
+    assert "must be a JSON object" in resp.json()["error"]["message"]
+    assert snapshot(r, model_name) == before
+
+
 def test_a_request_id_header_is_checked_like_the_field(http, r, model_name):
     before = snapshot(r, model_name)
     resp = http.post("/v1/chat/completions", json={"messages": M}, headers={"X-Request-Id": "a:b"})
