@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from chatq.api.auth import Owner, authenticate
 from chatq.api.routes import (
@@ -87,17 +87,22 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
         telemetry.job_trace(request.headers),
         response=stored,
     )
-    cancels = created and not body.background
+    answer = await _answer(svc, body, job, request, created and not body.background)
+    answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`
+    return answer
+
+
+async def _answer(svc: Service, body: ResponsesRequest, job: Job, request: Request, cancels: bool) -> Response:
     if body.stream:
         on_disconnect = (lambda: svc.store.cancel_soon(job.id)) if cancels else None
         return _stream(svc, job, -1, on_disconnect)
     if body.background:
-        return responses.response_object(job)
+        return JSONResponse(responses.response_object(job))
     await _done_or_disconnected(svc, job.id, request, cancels)
     job = await svc.store.get(job.id)
     if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
         return JSONResponse({"error": job.error}, status_code=400)  # the request's fault, answered as chat's is
-    return responses.response_object(job)
+    return JSONResponse(responses.response_object(job))
 
 
 @router.get("/v1/responses/{response_id}")

@@ -310,7 +310,19 @@ async def _respond(
     job, position, created = await svc.store.submit(
         body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
     )
-    cancels = created and not body.background
+    answer = await _answer(svc, body, job, position, request, created and not body.background)
+    answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`: the id to look the job up by
+    return answer
+
+
+async def _answer(
+    svc: Service,
+    body: ChatCompletionRequest | CompletionRequest,
+    job: Job,
+    position: int | None,
+    request: Request,
+    cancels: bool,
+) -> Response:
     if body.stream:
         on_disconnect = (lambda: svc.store.cancel_soon(job.id)) if cancels else None
         return job_stream(svc.relay, job.id, 0, svc.settings, on_disconnect)

@@ -36,6 +36,20 @@ def test_max_tokens_ends_with_length(client: openai.OpenAI, model_name):
     assert resp.usage.completion_tokens == 7
 
 
+def test_the_sdk_request_id_is_the_job_id_in_every_mode(client: openai.OpenAI, model_name):
+    answer = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2)
+    assert answer._request_id == answer.id
+    with client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2, stream=True) as stream:
+        chunks = list(stream)
+        assert stream.response.headers["x-request-id"] == chunks[0].id
+    queued = client.chat.completions.with_raw_response.create(
+        model=model_name, messages=QUESTION, max_tokens=2, extra_body={"background": True}
+    )
+    assert queued.status_code == 202 and queued.headers["x-request-id"] == queued.http_response.json()["id"]
+    text = client.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    assert text._request_id == text.id
+
+
 def test_model_may_be_omitted(client: openai.OpenAI, model_name):
     resp = client.chat.completions.create(model="", messages=QUESTION, max_tokens=3)
     assert resp.model == model_name

@@ -50,6 +50,15 @@ def test_a_response_answers_with_its_text_and_usage(client: openai.OpenAI):
     assert client.responses.retrieve(resp.id).output_text == resp.output_text
 
 
+def test_the_sdk_request_id_is_the_response_id(client: openai.OpenAI):
+    resp = client.responses.create(input="Hi", max_output_tokens=2)
+    queued = client.responses.create(input="Hi", max_output_tokens=2, background=True)
+    assert (resp._request_id, queued._request_id) == (resp.id, queued.id)
+    with client.responses.create(input="Hi", max_output_tokens=2, stream=True) as stream:
+        events = list(stream)
+        assert stream.response.headers["x-request-id"] == events[0].response.id
+
+
 def test_running_out_of_tokens_is_incomplete(client: openai.OpenAI):
     resp = client.responses.create(input=ASK, max_output_tokens=4, temperature=0)
     assert resp.status == "incomplete" and resp.incomplete_details is not None
