@@ -135,7 +135,17 @@ def _chat(base: str, headers: dict[str, str]) -> str:
 
 
 def _of_job(job_id: str) -> Callable[[list[Span]], bool]:
-    return lambda spans: any(s.name == "chatq.generate" and s.attributes.get("chatq.job_id") == job_id for s in spans)
+    """Found once the job's generate span and the span it continues have both come: each process exports its own,
+    in its own time."""
+
+    def found(spans: list[Span]) -> bool:
+        ids = {s.span_id for s in spans}
+        return any(
+            s.name == "chatq.generate" and s.attributes.get("chatq.job_id") == job_id and s.parent_id in ids
+            for s in spans
+        )
+
+    return found
 
 
 def test_the_workers_spans_continue_the_requests_traceparent(traced: Traced) -> None:
