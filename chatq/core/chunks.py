@@ -217,7 +217,7 @@ class TextChunks(ChatChunks):
         if not logprobs:
             return []
         columns = zip(*(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), strict=True)
-        return [TokenInfo(t, lp, [(s, v, list(s.encode())) for s, v in top.items()], o) for t, lp, top, o in columns]
+        return [TokenInfo(t, lp, [(s, v, None) for s, v in top.items()], o) for t, lp, top, o in columns]
 
     def final_choice(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 
 from chatq.core.delta import Delta, ToolCallDelta
 from chatq.worker.parse import Parser
-from chatq.worker.parse.common import arguments_json, new_call_id
+from chatq.worker.parse.common import call_from_json, new_call_id
 
 
 class NamedToolParser(Parser):
@@ -38,16 +38,12 @@ class RequiredToolParser(Parser):
         return Delta()
 
     def finish(self) -> Delta:
-        calls = []
-        for i, item in enumerate(_complete_items(self.text)):
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
-                return Delta(content=self.text)
-            if (args := arguments_json(item["parameters"])) is None:
-                return Delta(content=self.text)
-            calls.append(ToolCallDelta(i, new_call_id(), item["name"], args))
+        calls = [call_from_json(item, i, None, args_required=True) for i, item in enumerate(_complete_items(self.text))]
         # A generation cut short (max_tokens) ends the array early: its complete calls are kept, the one it was
         # writing dropped. With none complete, the text is all there is, as content.
-        return Delta(tool_calls=calls) if calls else Delta(content=self.text)
+        if not calls or None in calls:
+            return Delta(content=self.text)
+        return Delta(tool_calls=[c for c in calls if c is not None])
 
 
 def _complete_items(text: str) -> list[Any]:
