@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pydantic
@@ -21,6 +22,9 @@ import pydantic
 from chatq.core import keys
 from chatq.core.redis_url import masked
 from chatq.core.settings import Settings
+
+if TYPE_CHECKING:
+    from chatq.embedded_redis import EmbeddedRedis
 
 
 def _python(*args: str) -> list[str]:
@@ -39,47 +43,36 @@ def _quiet(settings: Settings) -> list[str]:
     return ["--quiet"] if settings.log_format == "json" else []
 
 
-def worker_command(settings: Settings) -> list[str]:
+def _celery_worker(settings: Settings, app: str, threads: int, queue: str, node: str) -> list[str]:
     return _celery(
         "-A",
-        "chatq.worker.celery_app",
+        app,
         *_quiet(settings),
         "worker",
         "-P",
         "threads",
         "-c",
-        str(settings.worker_concurrency),
+        str(threads),
         "-Q",
-        keys.celery_queue(settings.model_name),
+        queue,
         "-n",
-        f"{settings.model_name}@%h-{os.getpid()}",
+        f"{node}@%h-{os.getpid()}",
         "--without-mingle",
         "--without-gossip",
         "--loglevel",
         "INFO",
     )
+
+
+def worker_command(settings: Settings) -> list[str]:
+    queue = keys.celery_queue(settings.model_name)
+    return _celery_worker(settings, "chatq.worker.celery_app", settings.worker_concurrency, queue, settings.model_name)
 
 
 def webhooks_command(settings: Settings) -> list[str]:
     """The webhook worker: Celery threads delivering background jobs' events, with no model loaded."""
-    return _celery(
-        "-A",
-        "chatq.worker.webhooks",
-        *_quiet(settings),
-        "worker",
-        "-P",
-        "threads",
-        "-c",
-        str(settings.webhook_concurrency),
-        "-Q",
-        keys.webhook_queue(),
-        "-n",
-        f"webhooks@%h-{os.getpid()}",
-        "--without-mingle",
-        "--without-gossip",
-        "--loglevel",
-        "INFO",
-    )
+    queue = keys.webhook_queue()
+    return _celery_worker(settings, "chatq.worker.webhooks", settings.webhook_concurrency, queue, "webhooks")
 
 
 def api_command(settings: Settings) -> list[str]:
@@ -132,7 +125,7 @@ except KeyboardInterrupt:
 """
 
 
-def prepare_model(settings: Settings) -> None:
+def prepare_model() -> None:
     """Converts the default model and builds the CPU kernels once, before anything needs them."""
     proc = subprocess.Popen(_python("-c", PREPARE))
     try:
@@ -144,9 +137,16 @@ def prepare_model(settings: Settings) -> None:
         raise
 
 
-def up(settings: Settings, with_flower: bool = True) -> int:
-    from chatq.embedded_redis import EmbeddedRedis
+def embedded_redis(settings: Settings) -> EmbeddedRedis:
+    """The private Redis of `chatq up`, on 6379 unless that is taken. Its data directory is the port's: a second
+    stack on this machine gets a Redis of its own, which must not write into the first one's append-only file."""
+    from chatq.embedded_redis import EmbeddedRedis, free_port
 
+    port = free_port(6379)
+    return EmbeddedRedis(settings.cache_dir / "redis" / str(port), port=port)
+
+
+def up(settings: Settings, with_flower: bool = True) -> int:
     signalled: list[int] = []
 
     def interrupt(signum: int, _frame: object) -> None:
@@ -157,7 +157,7 @@ def up(settings: Settings, with_flower: bool = True) -> int:
     # signal while Redis starts must still stop it. SIGHUP: the terminal closed.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, interrupt)
-    redis_server = None if settings.redis_url else EmbeddedRedis(settings.cache_dir / "redis", port=6379)
+    redis_server = None if settings.redis_url else embedded_redis(settings)
     services: dict[str, subprocess.Popen] = {}
     try:
         env = dict(os.environ)
@@ -166,7 +166,7 @@ def up(settings: Settings, with_flower: bool = True) -> int:
             env["CHATQ_REDIS_URL"] = redis_server.url
             settings = settings.model_copy(update={"redis_url": redis_server.url})
             print(f"chatq: embedded Redis at {masked(redis_server.url)}", flush=True)
-        prepare_model(settings)
+        prepare_model()
         _start(services, settings, env, with_flower)
         watched = dict(services)
         if redis_server is not None and redis_server.proc is not None:
@@ -253,12 +253,12 @@ def _url(host: str, port: int) -> str:
 
 
 def _base_url(settings: Settings) -> str:
-    return os.environ.get("CHATQ_API_URL", _url(settings.api_host, settings.api_port))
+    return settings.api_url or _url(settings.api_host, settings.api_port)
 
 
 def _headers(settings: Settings) -> dict[str, str]:
     """The API key `chat` and `job` send: CHATQ_API_KEY, else the first of the API's own CHATQ_API_KEYS."""
-    key = os.environ.get("CHATQ_API_KEY") or next(iter(settings.api_key_list), "")
+    key = settings.api_key.get_secret_value() or next(iter(settings.api_key_list), "")
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -314,11 +314,11 @@ def job(settings: Settings, action: str, job_id: str) -> int:
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """CHATQ_ variables that name no setting: a misspelt CHATQ_REDIS_URI would otherwise start a private Redis."""
-    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields} | {"CHATQ_API_URL", "CHATQ_API_KEY"}
+    known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields}
     return sorted(name for name in environ if name.upper().startswith("CHATQ_") and name.upper() not in known)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
@@ -338,6 +338,30 @@ def main(argv: list[str] | None = None) -> int:
     p_job = sub.add_parser("job", help="get or cancel a job")
     p_job.add_argument("action", choices=["get", "cancel"])
     p_job.add_argument("id")
+    return parser
+
+
+def _client(settings: Settings, args: argparse.Namespace) -> int:
+    """`chatq chat` or `chatq job`, with the exit code a shell expects when the reader or the API goes away."""
+    try:
+        if args.command == "job":
+            return job(settings, args.action, args.id)
+        return chat(settings, args.prompt, args.max_tokens, args.temperature)
+    except BrokenPipeError:
+        # The reader went away (`chatq chat ... | head`); leaving closes the stream, cancelling the job. stdout
+        # goes to /dev/null so the final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except httpx.TransportError as e:
+        print(f"chatq: cannot reach the API at {masked(_base_url(settings))} ({e})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # leaving closes the stream, which cancels the job
+        print(file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     for name in unknown_variables(os.environ):
         print(f"chatq: warning: {name} is not a chatq setting (misspelt?); it is ignored", file=sys.stderr)
@@ -352,24 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return up(settings, with_flower=not args.no_flower)
     if args.command == "prepare":
-        prepare_model(settings)
+        prepare_model()
         return 0
     if args.command in ("chat", "job"):
-        try:
-            if args.command == "job":
-                return job(settings, args.action, args.id)
-            return chat(settings, args.prompt, args.max_tokens, args.temperature)
-        except BrokenPipeError:
-            # The reader went away (`chatq chat ... | head`); leaving closes the stream, cancelling the job. stdout
-            # goes to /dev/null so the final flush cannot fail again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 141
-        except httpx.TransportError as e:
-            print(f"chatq: cannot reach the API at {masked(_base_url(settings))} ({e})", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:  # leaving closes the stream, which cancels the job
-            print(file=sys.stderr)
-            return 130
+        return _client(settings, args)
     if not settings.redis_url:
         parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")
     commands = {"api": api_command, "worker": worker_command, "flower": flower_command, "webhooks": webhooks_command}

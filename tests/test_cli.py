@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from chatq import cli
 from chatq.core.settings import Settings
 from chatq.embedded_redis import free_port
 from tests.helpers import ROOT, alive
@@ -116,7 +117,7 @@ class Redis:
         self.proc.kill()
         (out / "redis-stopped").write_text("yes")
 embedded.EmbeddedRedis = Redis
-cli.prepare_model = lambda settings: None
+cli.prepare_model = lambda: None
 cli.worker_command = lambda settings: ["bash", "-c", worker_script, str(out)]
 cli.api_command = cli.flower_command = cli.webhooks_command = lambda settings: ["bash", "-c", other_script, str(out)]
 sys.exit(cli.up(cli.Settings(redis_url="")))
@@ -239,3 +240,14 @@ def test_a_misspelt_setting_is_named_not_silently_ignored() -> None:
     )
     assert "chatq: warning: CHATQ_API_PROT is not a chatq setting" in run.stderr
     assert "cannot reach the API at http://127.0.0.1:1" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_second_stack_on_the_machine_keeps_its_redis_data_apart(tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path, redis_url="")
+    first = cli.embedded_redis(settings).start()
+    try:
+        second = cli.embedded_redis(settings)
+        assert second.port != first.port
+        assert second.data_dir != first.data_dir and second.data_dir.parent == first.data_dir.parent
+    finally:
+        first.stop()

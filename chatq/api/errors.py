@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +16,11 @@ from chatq.core.errors import BadRequest, ChatqError, InternalError, RedisUnreac
 def error_response(e: ChatqError) -> JSONResponse:
     """The HTTP answer to `e`: its status, its OpenAI error body and its headers (Retry-After, WWW-Authenticate)."""
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def job_error_response(error: dict[str, Any]) -> JSONResponse:
+    """A failed job's stored error (OpenAI's error object) as its request's HTTP answer."""
+    return JSONResponse({"error": error}, status_code=int(error.get("code") or 500))
 
 
 class _HTTPError(ChatqError):

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from pydantic_core import PydanticSerializationError
 
+from chatq.api.relay import last_seq
 from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.chunks import never_ran
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
@@ -193,7 +194,7 @@ class JobStore:
         # events of an earlier attempt, when a worker stopped while running it.
         chunks, logged = [], 0
         if h.get("status") == JobStatus.queued:
-            logged = await self._last_logged(job_id)
+            logged = await last_seq(self.redis, job_id) or 0  # a log it cannot read: still cancelled
             with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
                 chunks = never_ran(Job.from_redis(h), opened=logged > 0)[0]
         events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, logged + 1)]
@@ -203,17 +204,6 @@ class JobStore:
         webhook = self.webhooks.block(job_id) if self.webhooks is not None and not delete else ""
         if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events, webhook) is None:
             raise JobNotFound(job_id)
-
-    async def _last_logged(self, job_id: str) -> int:
-        """The number of the job's last logged event; 0 for none, or for a log that holds another type of value (the
-        cancel still goes through)."""
-        try:
-            last: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
-                keys.events(job_id), count=1
-            )
-        except aioredis.ResponseError:
-            return 0
-        return int(last[0][0].split("-")[1]) if last else 0
 
     def cancel_soon(self, job_id: str) -> None:
         """Cancels the job in a task of its own: for a request whose client went away, whose own task is being

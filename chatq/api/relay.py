@@ -126,13 +126,7 @@ class Relay:
 
     async def last_seq(self, job_id: str) -> int | None:
         """The number of the job's last logged event, 0 if none is; None if its log cannot be read."""
-        try:
-            entries: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]
-                keys.events(job_id), count=1
-            )
-        except aioredis.ResponseError:
-            return None
-        return int(entries[0][0].split("-")[1]) if entries else 0
+        return await last_seq(self.redis, job_id)
 
     async def batches(self, job_id: str, after: int = 0) -> AsyncGenerator[list[Event], None]:
         """Every event of the job with seq > after, each once and in order, in batches of whatever arrived
@@ -201,3 +195,15 @@ def ending(last: int, error: ChatqError) -> list[Event]:
     """How a stream ends when it cannot go on: an error, then `done`. Both carry `last`'s number, so a client that
     resumes from them reads on from where this stream stopped."""
     return [Event(last, EventKind.error, error.body()), Event(last, EventKind.done)]
+
+
+async def last_seq(client: aioredis.Redis, job_id: str) -> int | None:
+    """The number of the job's last logged event, 0 if none is; None if its log cannot be read (another type of
+    value holds its key)."""
+    try:
+        entries: list[tuple[str, dict[str, str]]] = await client.xrevrange(  # type: ignore[assignment]
+            keys.events(job_id), count=1
+        )
+    except aioredis.ResponseError:
+        return None
+    return int(entries[0][0].split("-")[1]) if entries else 0

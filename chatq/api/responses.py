@@ -12,30 +12,26 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from chatq.api.auth import Owner, authenticate
+from chatq.api.errors import job_error_response
 from chatq.api.routes import (
     MAX_SEQ,
     JSONRoute,
     Service,
     SubmitHeaders,
     Svc,
-    _done_or_disconnected,
-    _valid_json,
     cancel_job,
+    done_or_disconnected,
+    valid_json,
 )
-from chatq.api.sse import EventStream, KeepAlive
+from chatq.api.sse import EventStream, event_stream
 from chatq.core import responses, telemetry
-from chatq.core.errors import BadRequest, JobNotFound, NotFound, RelayFailed
+from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
 from chatq.core.job import Job, JobStatus
 from chatq.core.responses import ResponseEvents, ResponsesRequest
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(_valid_json)])
-
-
-class ResponseNotFound(JobNotFound):
-    def __init__(self, response_id: str, param: str = "response_id"):
-        super(JobNotFound, self).__init__(f"No response found with id '{response_id}'.", param)
+router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(valid_json)])
 
 
 async def _get(svc: Service, response_id: str, owner: str | None, param: str = "response_id") -> Job:
@@ -98,10 +94,10 @@ async def _answer(svc: Service, body: ResponsesRequest, job: Job, request: Reque
         return _stream(svc, job, -1, on_disconnect)
     if body.background:
         return JSONResponse(responses.response_object(job))
-    await _done_or_disconnected(svc, job.id, request, cancels)
+    await done_or_disconnected(svc, job.id, request, cancels)
     job = await svc.store.get(job.id)
     if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
-        return JSONResponse({"error": job.error}, status_code=400)  # the request's fault, answered as chat's is
+        return job_error_response(job.error)  # the request's fault, answered as chat's is
     return JSONResponse(responses.response_object(job))
 
 
@@ -158,14 +154,7 @@ async def list_input_items(
 
 def _stream(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None = None) -> EventStream:
     """The response's typed events numbered above `after`, replayed from its job's log then followed live."""
-    settings = svc.settings
-    return EventStream(
-        _frames(svc, job, after, on_disconnect),
-        ping=settings.sse_keepalive,
-        ping_message_factory=KeepAlive,
-        send_timeout=settings.sse_send_timeout,
-        headers={"X-Accel-Buffering": "no"},
-    )
+    return event_stream(_frames(svc, job, after, on_disconnect), svc.settings)
 
 
 def _sse(events: list[dict[str, Any]], after: int) -> bytes:
@@ -197,13 +186,8 @@ async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[]
         # The client is still there: it gets an error event and the end of the stream, and its job goes on.
         log.exception("relaying response %s failed", job.id)
         finished = True
-        error = RelayFailed().body()["error"]
-        failed = {
-            "type": "error",
-            "sequence_number": events.seq + 1,
-            "code": error["type"],
-            "message": error["message"],
-        }
+        error = responses.response_error(RelayFailed().body()["error"])
+        failed = {"type": "error", "sequence_number": events.seq + 1, **error}
         yield _sse([failed], after)
     finally:
         if on_disconnect is not None and not finished:
@@ -215,5 +199,4 @@ async def _final(svc: Service, job: Job, snapshot: dict[str, Any]) -> dict[str, 
     try:
         return responses.response_object(await svc.store.get(job.id))
     except JobNotFound:
-        gone = {"code": "NotFoundError", "message": f"Response '{job.id}' was deleted or expired."}
-        return {**snapshot, "status": "failed", "error": gone}
+        return {**snapshot, "status": "failed", "error": responses.response_error(JobGone().body()["error"])}

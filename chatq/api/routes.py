@@ -21,7 +21,7 @@ from fastapi.routing import APIRoute
 
 from chatq.api.admission import ServedModel
 from chatq.api.auth import Owner, authenticate
-from chatq.api.errors import BodyTooLarge
+from chatq.api.errors import BodyTooLarge, job_error_response
 from chatq.api.jobs import JobStore, Page
 from chatq.api.models import Models
 from chatq.api.relay import Relay
@@ -76,12 +76,12 @@ class JSONRequest(Request):
             try:
                 self._json = orjson.loads(await self.body())
             except orjson.JSONDecodeError as e:
-                # Raised by _valid_json, after the API key's check: FastAPI reads the body before any dependency.
+                # Raised by valid_json, after the API key's check: FastAPI reads the body before any dependency.
                 self.json_error, self._json = e, None
         return self._json
 
 
-async def _valid_json(request: Request) -> None:
+async def valid_json(request: Request) -> None:
     """Raises the body's JSON error, as FastAPI would have, had it been raised while FastAPI read the body."""
     error = getattr(request, "json_error", None)
     if error is not None:
@@ -110,7 +110,7 @@ class JSONRoute(APIRoute):
 
 Svc = Annotated[Service, Depends(_service)]
 # Every route on it needs an API key when keys are configured; /health and /version stay open.
-router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(_valid_json)])
+router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(valid_json)])
 open_router = APIRouter(route_class=JSONRoute)
 
 # Printable ASCII, as HTTP header values are, within a length that keeps the Redis key name small.
@@ -328,13 +328,13 @@ async def _answer(
         return job_stream(svc.relay, job.id, 0, svc.settings, on_disconnect)
     if body.background:
         return JSONResponse(await svc.store.view(job, position), status_code=202)
-    done = await _done_or_disconnected(svc, job.id, request, cancels)
+    done = await done_or_disconnected(svc, job.id, request, cancels)
     if done.data is not None:  # completed: the answer came with `done`
         return Response(orjson.dumps(done.data), media_type="application/json")
     return await _finished(svc, await svc.store.get(job.id))
 
 
-async def _done_or_disconnected(svc: Service, job_id: str, request: Request, cancels: bool) -> Event:
+async def done_or_disconnected(svc: Service, job_id: str, request: Request, cancels: bool) -> Event:
     """The job's `done` event once it ended; if the client disconnects first, the job is cancelled (if `cancels`)."""
 
     async def disconnected() -> None:
@@ -354,7 +354,7 @@ async def _done_or_disconnected(svc: Service, job_id: str, request: Request, can
 
 async def _finished(svc: Service, job: Job) -> JSONResponse:
     if job.status is JobStatus.failed and job.error:
-        return JSONResponse({"error": job.error}, status_code=int(job.error.get("code") or 500))
+        return job_error_response(job.error)
     return JSONResponse(await svc.store.view(job) if job.status is not JobStatus.completed else job.result)
 
 

@@ -60,8 +60,13 @@ def job_stream(
     relay: Relay, job_id: str, after: int, settings: Settings, on_disconnect: Callable[[], None] | None = None
 ) -> EventStream:
     """The job's events after `after`; `on_disconnect` runs if the client leaves before the end."""
+    return event_stream(_frames(relay, job_id, after, on_disconnect), settings)
+
+
+def event_stream(frames: AsyncIterator[bytes], settings: Settings) -> EventStream:
+    """An SSE response of `frames`, with the keep-alives and send timeout the settings name."""
     return EventStream(
-        _frames(relay, job_id, after, on_disconnect),
+        frames,
         ping=settings.sse_keepalive,
         ping_message_factory=KeepAlive,
         send_timeout=settings.sse_send_timeout,

@@ -108,9 +108,6 @@ class ChatChunks:
             choice["stop_reason"] = stop_reason
         return {**self.base, "choices": [choice]}
 
-    def delta(self, index: int, delta: Delta) -> dict[str, Any]:
-        return delta_json(delta)
-
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return chat_logprobs(tokens)
 
@@ -158,17 +155,19 @@ class ChatChunks:
         return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
 
 
+def shapes_of(job: Job) -> ChatChunks:
+    """The chunk shapes of the job's kind: chat, or legacy text completions."""
+    if isinstance(job.request, ChatCompletionRequest):
+        return ChatChunks(job.id, job.created, job.model, job.request.response_role)
+    return TextChunks(job.id, job.created, job.model)
+
+
 def never_ran(job: Job, opened: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The stream chunks and the final object of a job cancelled before any worker ran it: each choice opens and
     ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
     no answer (a non-streamed one reading `choices[0]` finds it). `opened`: an earlier attempt's stream opened the
     choices already (the job waits for another worker to continue it)."""
-    req = job.request
-    shapes: ChatChunks
-    if isinstance(req, ChatCompletionRequest):
-        shapes = ChatChunks(job.id, job.created, job.model, req.response_role)
-    else:
-        shapes = TextChunks(job.id, job.created, job.model)
+    req, shapes = job.request, shapes_of(job)
     stream = []
     for i in range(req.n):
         first = None if opened else shapes.start(i)

@@ -48,6 +48,11 @@ class JobNotFound(NotFound):
         super().__init__(f"No chat completion found with id '{job_id}'.", param)
 
 
+class ResponseNotFound(NotFound):
+    def __init__(self, response_id: str, param: str = "response_id"):
+        super().__init__(f"No response found with id '{response_id}'.", param)
+
+
 class JobGone(NotFound):
     """A stream whose job was deleted or expired while it was open or before it resumed."""
 

@@ -84,17 +84,28 @@ def handler(fmt: Literal["text", "json"], stream: TextIO | None = None) -> loggi
     return out
 
 
-def configure(fmt: Literal["text", "json"], level: int = logging.INFO) -> None:
+def configure(fmt: Literal["text", "json"]) -> None:
     """The root logger of a process that sets up no logging of its own (the API under uvicorn): one handler in the
     format. In JSON, uvicorn's loggers hand their records to it too, so that every line is JSON."""
     root = logging.getLogger()
     root.handlers = [handler(fmt)]
-    root.setLevel(level)
+    root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     if fmt == "json":
         for name in UVICORN_LOGGERS:
             logging.getLogger(name).handlers = []
             logging.getLogger(name).propagate = True
+
+
+def celery_worker(fmt: Literal["text", "json"]) -> None:
+    """A Celery worker's logging, set up before Celery's own or Flower's (tornado's): both leave a root logger with a
+    handler as it is, so the worker's lines and Flower's are JSON from the first. Celery's two INFO lines per job
+    ("received", "succeeded") cost CPU on every job and repeat what the job record and Flower show; failures still
+    log at ERROR."""
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if fmt == "json":
+        configure("json")
 
 
 def adopt(root: logging.Logger, fmt: Literal["text", "json"]) -> None:

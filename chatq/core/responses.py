@@ -377,13 +377,16 @@ def _finish_reason(job: Job) -> str | None:
     return choices[0].get("finish_reason")
 
 
+def response_error(error: dict[str, Any]) -> dict[str, Any]:
+    """A chat error object as a Response's `error`: its type is the `code`."""
+    return {"code": str(error.get("type") or "server_error"), "message": error.get("message", "")}
+
+
 def response_object(job: Job) -> dict[str, Any]:
     """The Response a job is, as GET returns it."""
     stored = job.response or {}
     status = status_of(job)
-    error = None
-    if job.error:
-        error = {"code": str(job.error.get("type") or "server_error"), "message": job.error.get("message", "")}
+    error = response_error(job.error) if job.error else None
     return {
         "id": job.id,
         "object": "response",

@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: Port = 8000
     flower_port: Port = 5555
+    # The API `chatq chat` and `chatq job` talk to; empty: http://{api_host}:{api_port}.
+    api_url: str = ""
+    # The key they send; empty: the first of api_keys. Secret, so a printed Settings never shows it.
+    api_key: SecretStr = SecretStr("")
 
     # Seconds a finished job's record and its event log stay readable.
     result_ttl: Positive = 3600

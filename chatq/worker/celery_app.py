@@ -34,17 +34,9 @@ if TYPE_CHECKING:
     from chatq.worker.runner import Runner
 
 log = logging.getLogger(__name__)
-# Celery's two INFO lines per job ("received", "succeeded") cost CPU on every job and repeat what the job record and
-# Flower show; failures still log at ERROR.
-for name in ("celery.app.trace", "celery.worker.strategy"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-
 settings = Settings()
+logs.celery_worker(settings.log_format)
 app = make_celery(settings)
-if settings.log_format == "json":
-    # Before Celery's logging or Flower's (tornado's) sets up: both leave a root logger with a handler as it is, so
-    # the worker's lines and Flower's are JSON from the first.
-    logs.configure("json")
 
 
 @dataclass

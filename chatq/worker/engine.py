@@ -40,8 +40,8 @@ class Finish(StrEnum):
     error = "error"
 
 
-# eq=False: a sequence is itself, not its fields; compared field by field, the scheduler's membership tests dominated
-# a step's host time.
+# eq=False: a sequence is itself, not its fields, which keeps the scheduler's membership tests cheap
+# (docs/performance.md, "Host time per step").
 @dataclass(eq=False)
 class Sequence:
     id: str

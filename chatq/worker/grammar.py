@@ -143,7 +143,8 @@ def apply_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
-    # A plain loop: fills are cheap enough that xgrammar's BatchGrammarMatcher thread pool costs more than it saves.
+    # A plain loop, not xgrammar's BatchGrammarMatcher: fills are cheap enough that its thread pool does not pay
+    # (docs/performance.md, "Grammar masks").
     for i, state in rows.items():
         state._matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=list(rows))

@@ -147,7 +147,7 @@ class JobRun:
         if isinstance(req, ChatCompletionRequest):
             last = req.messages[-1]
             echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
-            return chunks.ChatChunks(job.id, job.created, job.model, req.response_role), echo, req.include_reasoning
+            return chunks.shapes_of(job), echo, req.include_reasoning
         # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
         if not req.echo:
             echo = ""
@@ -155,7 +155,7 @@ class JobRun:
             echo = req.prompt
         else:
             echo = self.decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
-        return chunks.TextChunks(job.id, job.created, job.model), echo, True
+        return chunks.shapes_of(job), echo, True
 
     @property
     def finished(self) -> bool:
@@ -199,7 +199,7 @@ class JobRun:
 
     def _chunk(self, choice: Choice, delta: Delta, carries_ids: bool = True) -> Event:
         logprobs = self._take_logprobs(choice)
-        data = self.chunks.chunk(choice.index, self.chunks.delta(choice.index, delta), logprobs)
+        data = self.chunks.chunk(choice.index, chunks.delta_json(delta), logprobs)
         return self._event(EventKind.chunk, data, choice if carries_ids else None)
 
     def start(self) -> list[Event]:

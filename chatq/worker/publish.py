@@ -76,7 +76,7 @@ class Publisher:
         # and a worker taking a job over finds the token ids of every event logged.
         pipe = self.redis.pipeline(transaction=True)
         if writes.events:
-            # One script call, not two commands per event: packing commands dominates a step's publish cost.
+            # One script call for the step's events, whatever their number.
             # No MAXLEN: a job's log is bounded by its tokens and expires with it.
             scripts.publish_events(pipe, self.worker, writes.events)
         for job_id, tokens in writes.progress.items():

@@ -21,13 +21,9 @@ from chatq.core.settings import Settings
 from chatq.core.webhooks import WEBHOOK_TASK, make_webhook_celery, thin_event
 
 log = logging.getLogger(__name__)
-for name in ("celery.app.trace", "celery.worker.strategy"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-
 settings = Settings()
+logs.celery_worker(settings.log_format)
 app = make_webhook_celery(settings)
-if settings.log_format == "json":
-    logs.configure("json")
 
 # Answers that a later attempt may turn into a delivery: the receiver's own trouble, a timeout, a rate limit.
 RETRIED = {408, 429}

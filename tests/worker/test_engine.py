@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +15,7 @@ from chatq.worker.engine import Engine, Finish, Sequence
 from chatq.worker.grammar import GrammarCompiler, GrammarState
 from chatq.worker.model import load_model
 from chatq.worker.sampler import SamplingParams
-from tests.helpers import ROOT, model_info
+from tests.helpers import model_info
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -393,57 +389,3 @@ def test_decode_through_the_cuda_kernel_equals_generate(model, prompts, referenc
     assert [done[str(i)].output_ids for i in range(len(prompts))] == [
         r[:n] for r, n in zip(reference, lengths, strict=True)
     ]
-
-
-# chatq's service packages, which a machine set up only to run models (PyTorch, transformers, Triton) need not have.
-SERVICE_PACKAGES = (
-    "celery",
-    "fastapi",
-    "gguf",
-    "jsonschema",
-    "kombu",
-    "opentelemetry",
-    "orjson",
-    "prometheus_client",
-    "pydantic",
-    "pydantic_settings",
-    "pythonjsonlogger",
-    "redis",
-    "sse_starlette",
-    "standardwebhooks",
-    "starlette",
-    "uvicorn",
-    "xgrammar",
-)
-
-
-def test_the_gpu_benchmark_runs_with_none_of_the_service_packages(tmp_path):
-    # bench/gpu_engine.py in its quick mode on CPU, each service package hidden (None in sys.modules fails its import,
-    # and importlib's find_spec reports it missing, as transformers checks).
-    hide = "".join(f"sys.modules[{name!r}] = None; " for name in SERVICE_PACKAGES)
-    code = f"import runpy, sys; {hide}runpy.run_path('bench/gpu_engine.py', run_name='__main__')"
-    env = os.environ | {"MODELS": "tiny", "N": "4", "NEW": "4", "OUT": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((tmp_path / "engine_results.json").read_text())
-    assert results["facts"]["check_against_transformers_graphs0"] is True
-    assert results["facts"]["check_against_transformers_graphs4"] is True
-    assert [(r["model"], r["complete"]) for r in results["results"]] == [("tiny", True)]
-
-
-def test_the_gpu_benchmarks_greedy_check_names_the_first_wrong_token(monkeypatch):
-    from bench import gpu_engine
-
-    class OneTokenOff(gpu_engine.Engine):
-        def step(self):
-            outputs = super().step()
-            for o in outputs:
-                if o.finish and o.seq.id == "1":
-                    o.seq.output_ids[2] += 1
-            return outputs
-
-    assert gpu_engine.check_against_transformers(0) is True
-    monkeypatch.setattr(gpu_engine, "Engine", OneTokenOff)
-    differences = gpu_engine.check_against_transformers(0)
-    assert isinstance(differences, dict) and list(differences) == ["1"]
-    assert differences["1"].startswith("token 2: engine ")

@@ -1,4 +1,4 @@
-"""Tool-call parsers by name, as selected by the server's `tool_call_parser` setting."""
+"""Tool-call parsers by name, as CHATQ_TOOL_PARSER (Settings.tool_parser) names them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from typing import Protocol
 
 from chatq.core.delta import Delta
 from chatq.worker.parse import Parser
-from chatq.worker.parse.common import new_call_id
 from chatq.worker.parse.hermes import HermesParser
 from chatq.worker.parse.llama3_json import Llama3JsonParser
 from chatq.worker.parse.pythonic import PythonicParser
@@ -40,6 +39,3 @@ class FirstCallOnly(Parser):
     def _first(delta: Delta) -> Delta:
         delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
         return delta
-
-
-__all__ = ["TOOL_PARSERS", "FirstCallOnly", "HermesParser", "Llama3JsonParser", "PythonicParser", "new_call_id"]

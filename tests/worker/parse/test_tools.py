@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from chatq.core.settings import Settings
 from chatq.worker.parse import ContentParser
-from chatq.worker.parse.tools import TOOL_PARSERS, new_call_id
+from chatq.worker.parse.common import new_call_id
+from chatq.worker.parse.tools import TOOL_PARSERS
 from tests.helpers import collect
 
 OUTPUTS = {
