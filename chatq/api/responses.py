@@ -169,7 +169,10 @@ def _sse(events: list[dict[str, Any]], after: int) -> bytes:
 async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None) -> AsyncIterator[bytes]:
     # Every stream translates the log from its start: the events' numbers are the same in all of them.
     events, finished = ResponseEvents(job.id), False
-    opening = job.model_copy(update={"status": JobStatus.queued, "result": None, "error": None})
+    # As OpenAI opens them: a background response is queued, one streamed as it runs is in progress at once.
+    background = ((job.response or {}).get("request") or {}).get("background")
+    status = JobStatus.queued if background else JobStatus.in_progress
+    opening = job.model_copy(update={"status": status, "result": None, "error": None})
     snapshot = responses.response_object(opening)
     try:
         if frame := _sse(events.opening(snapshot), after):

@@ -27,7 +27,14 @@ from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
 from chatq.core import registry, telemetry
-from chatq.core.errors import BadRequest, ClientDisconnected, RedisUnreachable, RequestTooLarge, ServiceUnavailable
+from chatq.core.errors import (
+    BadRequest,
+    ClientDisconnected,
+    JobNotFound,
+    RedisUnreachable,
+    RequestTooLarge,
+    ServiceUnavailable,
+)
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from chatq.core.settings import Settings
@@ -178,7 +185,7 @@ async def get_chat_completion(
     starting_after: int | None = Query(default=None, ge=0, le=MAX_SEQ),
     last_event_id: str | None = Header(default=None),
 ) -> Any:
-    job = await svc.store.get(job_id, owner)
+    job = await _completion(svc, job_id, owner)
     if not stream:
         return await svc.store.view(job)
     after = _resume_point(starting_after, last_event_id)
@@ -191,7 +198,16 @@ async def get_chat_completion(
 
 @router.post("/v1/chat/completions/{job_id}/cancel")
 async def cancel_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
+    await _completion(svc, job_id, owner)
     return await svc.store.view(await cancel_job(svc, job_id, owner))
+
+
+async def _completion(svc: Service, job_id: str, owner: str) -> Job:
+    """The chat or legacy job, if `owner` may see it; a response's id names no completion (/v1/responses serves it)."""
+    job = await svc.store.get(job_id, owner)
+    if job.kind == "response":
+        raise JobNotFound(job_id)
+    return job
 
 
 async def cancel_job(svc: Service, job_id: str, owner: str) -> Job:
@@ -211,6 +227,7 @@ async def cancel_job(svc: Service, job_id: str, owner: str) -> Job:
 
 @router.delete("/v1/chat/completions/{job_id}")
 async def delete_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
+    await _completion(svc, job_id, owner)
     await svc.store.delete(job_id, owner)
     return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from chatq.core.errors import BadRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
@@ -25,7 +25,7 @@ ECHO_DEFAULTS: dict[str, Any] = {
     "metadata": {},
     "parallel_tool_calls": True,
     "previous_response_id": None,
-    "reasoning": None,
+    "reasoning": {"effort": None, "summary": None},
     "store": True,
     "temperature": None,
     "text": {"format": {"type": "text"}},
@@ -35,6 +35,18 @@ ECHO_DEFAULTS: dict[str, Any] = {
     "user": None,
     "background": False,
 }
+
+
+# What `include` may name that a chatq Response never holds (the outputs of built-in tools, images): nothing to add.
+NOTHING_TO_INCLUDE = {
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+}
+UNSUPPORTED_INCLUDES = {"message.output_text.logprobs", "reasoning.encrypted_content"}
 
 
 class _Strict(BaseModel):
@@ -90,11 +102,44 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[str] | None = None  # accepted; nothing it names is left out of a chatq Response
+    include: list[str] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, tools: Any) -> Any:
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise BadRequest(
+                    f"Tools of type '{kind}' are not supported: chatq runs function tools.", f"tools[{i}].type"
+                )
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice_only(cls, choice: Any) -> Any:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise BadRequest(
+                f"tool_choice of type '{kind}' is not supported: chatq runs function tools.", "tool_choice"
+            )
+        return choice
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, include: list[str] | None) -> list[str] | None:
+        for i, name in enumerate(include or []):
+            if name in UNSUPPORTED_INCLUDES:
+                raise BadRequest(f"include '{name}' is not supported by chatq.", f"include[{i}]")
+            if name not in NOTHING_TO_INCLUDE:
+                raise BadRequest(f"'{name}' is not a value include takes.", f"include[{i}]")
+        return include
 
     def echo(self) -> dict[str, Any]:
         """The request's fields that a Response repeats."""
         given = self.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"input", "stream", "include"})
+        if "reasoning" in given:
+            given["reasoning"] = {**ECHO_DEFAULTS["reasoning"], **given["reasoning"]}
         return {k: given.get(k, default) for k, default in ECHO_DEFAULTS.items()}
 
 
@@ -141,13 +186,19 @@ def _message_item(item: dict[str, Any], where: str, suffix: str) -> dict[str, An
         raise BadRequest(f"{where}.role must be user, system, developer or assistant.", f"{where}.role")
     content = item.get("content")
     part_type = "output_text" if role == "assistant" else "input_text"
+    parts: list[dict[str, Any]]
     if isinstance(content, str):
         parts = [{"type": part_type, "text": content}]
     elif isinstance(content, list):
         parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
     else:
         raise BadRequest(f"{where}.content must be a string or a list of parts.", f"{where}.content")
-    return {"type": "message", "id": item.get("id") or f"msg_{suffix}", "role": role, "content": parts}
+    message: dict[str, Any] = {"type": "message", "id": item.get("id") or f"msg_{suffix}", "role": role}
+    if role != "assistant":
+        return {**message, "content": parts}
+    # An assistant's message is an output message, which OpenAI's types give a status and its text annotations.
+    parts = [{"annotations": [], **p} if p["type"] == "output_text" else p for p in parts]
+    return {**message, "status": item.get("status") or "completed", "content": parts}
 
 
 def _part(part: Any, where: str) -> dict[str, Any]:
@@ -182,6 +233,17 @@ def messages(items: list[dict[str, Any]], instructions: str | None) -> tuple[lis
     return out, origins
 
 
+def _outputs_answer_calls(conversation: list[dict[str, Any]], first: int) -> None:
+    """Each function call's output follows the call it answers, as OpenAI requires."""
+    calls = set()
+    for i, item in enumerate(conversation):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            why = f"No tool call found for function call output with call_id {item['call_id']}."
+            raise BadRequest(why, f"input[{i - first}].call_id")
+
+
 def _call_function(item: dict[str, Any]) -> dict[str, str]:
     return {"name": item["name"], "arguments": item["arguments"]}
 
@@ -191,6 +253,7 @@ def chat_request(
 ) -> tuple[ChatCompletionRequest, Names]:
     """The chat request the job runs for `req`, over the whole conversation (the earlier responses' items in
     `context`, then this one's), and the names its errors are to be told in."""
+    _outputs_answer_calls([*context, *items], len(context))
     msgs, origins = messages([*context, *items], req.instructions)
     if not msgs:
         raise BadRequest("input must hold at least one message.", "input")
@@ -358,7 +421,7 @@ def _usage(job: Job) -> dict[str, Any]:
     reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
@@ -378,8 +441,10 @@ def _finish_reason(job: Job) -> str | None:
 
 
 def response_error(error: dict[str, Any]) -> dict[str, Any]:
-    """A chat error object as a Response's `error`: its type is the `code`."""
-    return {"code": str(error.get("type") or "server_error"), "message": error.get("message", "")}
+    """A chat error object as a Response's `error`, coded as OpenAI codes them: the request's own fault is an
+    `invalid_prompt`, anything else a `server_error`."""
+    code = "invalid_prompt" if error.get("type") == "BadRequestError" else "server_error"
+    return {"code": code, "message": error.get("message", "")}
 
 
 def response_object(job: Job) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import time
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseItemList
 
 from tests.api.conftest import KEY_A, KEY_B, Guarded
 
@@ -140,7 +140,10 @@ def test_delete_removes_the_response(client: openai.OpenAI):
     ("extra", "param"),
     [
         ({"truncation": "auto"}, "truncation"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+        ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+        ({"include": ["file_search_call.results", "everything"]}, "include[1]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, IMAGE_PARAM),
     ],
 )
@@ -149,6 +152,19 @@ def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI, extra: di
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**body)
     assert e.value.status_code == 400 and e.value.param == param
+    assert "Input should be" not in e.value.body["message"]  # type: ignore[index]  # says what chatq lacks
+
+
+def test_an_include_naming_outputs_chatq_never_makes_is_accepted(client: openai.OpenAI):
+    resp = client.responses.create(input="Hi", max_output_tokens=2, include=["web_search_call.results"])
+    assert resp.status in ("completed", "incomplete")
+
+
+def test_an_output_with_no_call_before_it_is_refused(client: openai.OpenAI):
+    lost = [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "nowhere", "output": "x"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input=lost, max_output_tokens=2)
+    assert e.value.param == "input[1].call_id" and "nowhere" in e.value.body["message"]  # type: ignore[index]
 
 
 CALLED = [
@@ -258,3 +274,32 @@ def test_another_keys_response_is_not_found(guarded: Guarded):
         assert b.post("/v1/responses", json={"input": "Hi", "previous_response_id": rid}).status_code == 404
         assert a.get(f"/v1/responses/{rid}").json()["id"] == rid
         assert a.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+
+
+def test_objects_validate_strictly_as_the_sdks_types(client: openai.OpenAI):
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    raw = client.responses.with_raw_response.create(input=conversation, max_output_tokens=2)
+    resp = Response.model_validate(raw.http_response.json(), strict=True)
+    listed = client.responses.input_items.with_raw_response.list(resp.id).http_response.json()
+    items = ResponseItemList.model_validate(listed, strict=True).data
+    assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]
+
+
+def test_a_stream_opens_queued_only_in_the_background(client: openai.OpenAI):
+    now = next(iter(client.responses.create(input="Hi", max_output_tokens=2, stream=True)))
+    later = next(iter(client.responses.create(input="Hi", max_output_tokens=2, stream=True, background=True)))
+    assert now.type == later.type == "response.created"
+    assert (now.response.status, later.response.status) == ("in_progress", "queued")
+
+
+def test_the_chat_routes_do_not_serve_a_response(client: openai.OpenAI, http):
+    resp = client.responses.create(input="Hi", max_output_tokens=2)
+    assert http.get(f"/v1/chat/completions/{resp.id}").status_code == 404
+    assert http.get(f"/v1/chat/completions/{resp.id}?stream=true").status_code == 404
+    assert http.post(f"/v1/chat/completions/{resp.id}/cancel").status_code == 404
+    assert http.delete(f"/v1/chat/completions/{resp.id}").status_code == 404
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text

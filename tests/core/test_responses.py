@@ -88,3 +88,10 @@ def test_a_chat_field_is_named_by_the_responses_item_it_came_from():
     assert names.param("messages.3.content") == "input[0].content"
     assert names.param("messages") == "input" and names.param("max_completion_tokens") == "max_output_tokens"
     assert names.param("response_format.json_schema") == "text.format" and names.param("top_p") == "top_p"
+
+
+def test_a_failed_responses_error_is_coded_as_openai_codes_it():
+    refused = responses.response_error({"type": "BadRequestError", "message": "bad schema", "code": 400})
+    lost = responses.response_error({"type": "InternalServerError", "message": "worker lost", "code": 500})
+    assert refused == {"code": "invalid_prompt", "message": "bad schema"}
+    assert lost == {"code": "server_error", "message": "worker lost"}
