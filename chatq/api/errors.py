@@ -29,7 +29,7 @@ class _HTTPError(ChatqError):
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
 
     def __init__(self, e: HTTPException):
-        super().__init__(str(e.detail))
+        super().__init__(str(e.detail), headers=dict(e.headers or {}))  # a 405's Allow
         self.status, self.type = e.status_code, self.TYPES.get(e.status_code, "APIError")
 
 
@@ -77,7 +77,7 @@ def _validation_error(e: RequestValidationError) -> BadRequest:
         why = (first.get("ctx") or {}).get("error")
         return BadRequest(f"The request body is not valid JSON: {why}.")
     param = _param(tuple(first.get("loc", ())))
-    msg = first.get("msg", "Invalid request")
+    msg = first.get("msg", "Invalid request").removeprefix("Value error, ")  # a validator's own message, as it wrote it
     if first.get("type") == "missing":
         msg = f"Missing required parameter: '{param}'." if param else "The request body is missing."
     elif not param and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):

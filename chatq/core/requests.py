@@ -115,6 +115,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "watermarking": None,
     "routed_experts_prompt_start": 0,
     "return_prompt_text": None,
+    "prompt_embeds": None,
 }
 MAX_TOP_LOGPROBS = 20
 # OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
@@ -124,6 +125,45 @@ MAX_N = 128
 MAX_MESSAGES = 4096
 MAX_TOOLS = 1024
 MAX_STOP = 4
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str  # required, as OpenAI and vLLM have it
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's constraint kinds; exactly one may be given."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
+    # that asks for something (not null or false) is refused in check(), rather than dropped.
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
+
+    def kinds(self) -> list[str]:
+        return [
+            k
+            for k, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if v is not None
+        ]
 
 
 class GenerationRequest(BaseModel):
@@ -159,6 +199,8 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -223,9 +265,9 @@ class GenerationRequest(BaseModel):
             "repetition_penalty",
         )
         need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit integer", "seed")
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = getattr(self, name, None)
-            need(value is None or value >= 1, f"{name} must be at least 1", name)
+        # Only the field that counts: max_completion_tokens wins over the deprecated max_tokens.
+        winner = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+        need(self.max_new_tokens is None or self.max_new_tokens >= 1, f"{winner} must be at least 1", winner)
         need(self.min_tokens >= 0, "min_tokens must be at least 0", "min_tokens")
         need(
             self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
@@ -246,6 +288,47 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens",
         )
         need(all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be token ids", "stop_token_ids")
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise BadRequest(
+                    "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
+                )
+            check_schema(fmt.json_schema.schema_, "response_format")
+        so = self.structured_outputs
+        if so is not None:
+            for name, value in (so.model_extra or {}).items():
+                if value is not None and value is not False:
+                    raise BadRequest(
+                        f"`structured_outputs.{name}` is not supported by this server", f"structured_outputs.{name}"
+                    )
+            kinds = so.kinds()
+            if len(kinds) != 1:
+                raise BadRequest(
+                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
+                )
+            if fmt is not None and fmt.type != "text":
+                raise BadRequest(
+                    "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
+                )
+            if so.regex is not None:
+                check_regex(so.regex)
+            if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
+                raise BadRequest("structured_outputs.choice needs non-empty strings.", "structured_outputs")
+            if so.grammar is not None and not so.grammar.strip():
+                raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
+            if isinstance(so.json_, str):
+                try:
+                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
+                    schema = orjson.loads(so.json_)
+                except ValueError as e:
+                    raise BadRequest(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
+                check_schema(schema, "structured_outputs")
+            elif so.json_ is not None:
+                check_schema(so.json_, "structured_outputs")
 
     def check_bias(self, vocab_size: int) -> None:
         """Every logit_bias key must be a token id of the model; the error lists each one that is not."""
@@ -291,52 +374,11 @@ class NamedToolChoice(BaseModel):
     function: dict[str, str]
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str  # required, as OpenAI and vLLM have it
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's constraint kinds; exactly one may be given."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
-    # that asks for something (not null or false) is refused in check(), rather than dropped.
-    model_config = ConfigDict(populate_by_name=True, extra="allow")
-
-    def kinds(self) -> list[str]:
-        return [
-            k
-            for k, v in (
-                ("json", self.json_),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-            )
-            if v is not None
-        ]
-
-
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -384,7 +426,6 @@ class ChatCompletionRequest(GenerationRequest):
                     f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
                 )
         self._check_tools()
-        self._check_structured()
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequest(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -406,56 +447,16 @@ class ChatCompletionRequest(GenerationRequest):
             name = self.tool_choice.function.get("name")
             if name not in {t.function.name for t in self.tools or []}:
                 raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+        if self.structured_outputs is not None and isinstance(self.tool_choice, NamedToolChoice):
+            raise BadRequest(
+                "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
+            )
         forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
         for i, tool in enumerate(self.tools or []):
             # Only `required` and a named tool constrain parameters with a grammar; under `auto`, an unenforceable
             # schema is the model's and the client's business, as in vLLM.
             constrains = self.tool_choice == "required" or tool.function.name == forced
             check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
-
-    def _check_structured(self) -> None:
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise BadRequest(
-                    "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
-                )
-            check_schema(fmt.json_schema.schema_, "response_format")
-        so = self.structured_outputs
-        if so is not None:
-            for name, value in (so.model_extra or {}).items():
-                if value is not None and value is not False:
-                    raise BadRequest(
-                        f"`structured_outputs.{name}` is not supported by this server", f"structured_outputs.{name}"
-                    )
-            kinds = so.kinds()
-            if len(kinds) != 1:
-                raise BadRequest(
-                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
-                )
-            if isinstance(self.tool_choice, NamedToolChoice):
-                raise BadRequest(
-                    "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
-                )
-            if fmt is not None and fmt.type != "text":
-                raise BadRequest(
-                    "Give either `response_format` or `structured_outputs`, not both.", "structured_outputs"
-                )
-            if so.regex is not None:
-                check_regex(so.regex)
-            if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
-                raise BadRequest("structured_outputs.choice needs non-empty strings.", "structured_outputs")
-            if so.grammar is not None and not so.grammar.strip():
-                raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
-            if isinstance(so.json_, str):
-                try:
-                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
-                    schema = orjson.loads(so.json_)
-                except ValueError as e:
-                    raise BadRequest(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
-                check_schema(schema, "structured_outputs")
-            elif so.json_ is not None:
-                check_schema(so.json_, "structured_outputs")
 
     @property
     def forced_tool(self) -> str | None:

@@ -59,13 +59,13 @@ def sampling_params(
     ]
 
 
-def grammar_for(req: ChatCompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
-    tools = [t.model_dump() for t in req.tools or []]
+def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
     param = "tools"  # what a grammar that cannot be compiled is reported against
     try:
-        if req.forced_tool:
-            return compiler.function(tools, req.forced_tool)
-        if req.tool_choice == "required":
+        if isinstance(req, ChatCompletionRequest) and (req.forced_tool or req.tool_choice == "required"):
+            tools = [t.model_dump() for t in req.tools or []]
+            if req.forced_tool:
+                return compiler.function(tools, req.forced_tool)
             return compiler.tool_calls(tools, parallel=req.parallel_tool_calls)
         param = "response_format"
         fmt = req.response_format
@@ -101,9 +101,9 @@ def plan(
     settings: Settings,
 ) -> Plan:
     params = sampling_params(req, max_tokens, eos_ids, defaults)
-    if isinstance(req, CompletionRequest):
-        return Plan(params, None, ContentParser, False, False, False)
     grammar = grammar_for(req, compiler) if compiler is not None else None
+    if isinstance(req, CompletionRequest):
+        return Plan(params, grammar, ContentParser, False, False, False)
     tool_names = {t.function.name for t in req.tools or []}
     inner: Callable[[], Parser] = ContentParser
     tools_parsed = False

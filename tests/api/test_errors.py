@@ -145,6 +145,9 @@ def test_invalid_request_is_refused_and_enqueues_nothing(http, r, model_name, bo
         ({"prompt": "hi", "logprobs": 30}, "logprobs"),
         ({"prompt": [10**8]}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
@@ -292,3 +295,21 @@ def test_sdk_raises_typed_errors(client: openai.OpenAI):
 def test_health_names_what_is_up(http):
     body = http.get("/health").json()
     assert body["status"] == "ok" and body["models"]["SmolLM2-135M-Instruct"] >= 1
+
+
+def test_a_route_answers_a_method_it_does_not_take_with_the_ones_it_does(http):
+    resp = http.get("/v1/completions")
+    assert resp.status_code == 405 and resp.json()["error"]["type"] == "MethodNotAllowedError"
+    assert resp.headers["allow"] == "POST"
+
+
+def test_a_validators_message_reads_as_written(http):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stop": list("abcde")}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, BAD, "stop")
+    assert error["message"].startswith("stop may hold at most 4 sequences")
+
+
+def test_only_the_winning_token_limit_is_checked(client: openai.OpenAI, model_name):
+    messages = [{"role": "user", "content": "Hi"}]
+    resp = client.chat.completions.create(model=model_name, messages=messages, max_tokens=0, max_completion_tokens=3)
+    assert resp.usage.completion_tokens <= 3

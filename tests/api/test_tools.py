@@ -195,6 +195,29 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, model_name)
         assert cases[i // len(SAMPLINGS)][1](text), (cases[i // len(SAMPLINGS)][0], text)
 
 
+OK = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+def test_legacy_completions_hold_the_same_constraints(client: openai.OpenAI, model_name, http):
+    cases = [
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"regex": r"\d{3}"}}, lambda t: re.fullmatch(r"\d{3}", t)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK}}}, json.loads),
+    ]
+
+    def call(extra, sampling):
+        return client.completions.create(
+            model=model_name, prompt="Answer:", max_tokens=60, extra_body=extra, **sampling
+        )
+
+    results = parallel(call, [(c[0], s) for c in cases for s in SAMPLINGS])
+    for i, resp in enumerate(results):
+        text = resp.choices[0].text
+        assert cases[i // len(SAMPLINGS)][1](text), (cases[i // len(SAMPLINGS)][0], text)
+    bad = {"prompt": "Hi", "max_tokens": 5, "structured_outputs": {"grammar": "root ::= (("}}
+    assert_error(http.post("/v1/completions", json=bad), 400, "BadRequestError", "structured_outputs")
+
+
 def test_agent_loop(client: openai.OpenAI, model_name):
     messages = [
         {"role": "system", "content": "You are a weather assistant."},
