@@ -52,12 +52,36 @@ def problem(pattern: str) -> str | None:
 
     if found := problem(parsed):
         return found
+    if (count := _repetitions(parsed)) > MAX_REPETITIONS:
+        return f"counted repeats nested to {count} repetitions (at most {MAX_REPETITIONS})"
     if parsed.state.groupdict:
         return "named groups"
     # Global flags can only open a pattern, and (?u) changes nothing Python's parser would show.
     if parsed.state.flags & ~re.UNICODE or re.match(r"\(\?[aiLmsux]+\)", pattern):
         return "inline flags"
     return _text_problem(pattern)
+
+
+# Nested counted repeats multiply the grammar engine's states: past this product, filling one sequence's token mask
+# takes long enough to hold up the step of every stream in the batch.
+MAX_REPETITIONS = 10_000
+
+
+def _repetitions(node: Any) -> int:
+    """The largest product of the counts of nested repeats (`{m,n}` counts n; `*` and `+` their minimum)."""
+    most = 1
+    for op, arg in node:
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT):
+            low, high, sub = arg
+            most = max(most, max(low if high == c.MAXREPEAT else high, 1) * _repetitions(sub))
+            continue
+        for sub in arg if isinstance(arg, (list, tuple)) else ():
+            if isinstance(sub, _parser.SubPattern):
+                most = max(most, _repetitions(sub))
+            for branch in sub if isinstance(sub, list) else ():
+                if isinstance(branch, _parser.SubPattern):
+                    most = max(most, _repetitions(branch))
+    return most
 
 
 # Python has refused backreferences before these are looked for: what is left of `\\nnn` is an octal escape.

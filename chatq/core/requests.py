@@ -8,7 +8,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.schemas import check_regex, check_schema
+from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
 def _nullable(annotation: Any) -> bool:
@@ -318,6 +318,10 @@ class GenerationRequest(BaseModel):
                 check_regex(so.regex)
             if so.choice is not None and (not so.choice or any(not c for c in so.choice)):
                 raise BadRequest("structured_outputs.choice needs non-empty strings.", "structured_outputs")
+            if so.choice is not None and (found := size_problem({"enum": so.choice})) is not None:
+                raise BadRequest(
+                    f"structured_outputs.choice is larger than the grammar engine takes: {found}.", "structured_outputs"
+                )
             if so.grammar is not None and not so.grammar.strip():
                 raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
             if isinstance(so.json_, str):

@@ -32,6 +32,48 @@ def check_schema(schema: Any, param: str, constrains: bool = True) -> None:
         raise BadRequest("The JSON schema is nested too deeply.", param) from e
     if found is not None:
         raise BadRequest(f"Invalid JSON schema: {found}", param)
+    if constrains and (found := size_problem(schema)) is not None:
+        raise BadRequest(f"The JSON schema is larger than the grammar engine takes: {found}.", param)
+
+
+# OpenAI's limits on a structured output's schema. Past them the grammar engine's compile time grows faster than the
+# schema (an enum of 60,000 strings takes many minutes), in a call that a cancel cannot stop.
+MAX_ENUM_VALUES = 1000
+MAX_PROPERTIES = 5000
+MAX_SCHEMA_CHARS = 120_000
+
+
+def size_problem(schema: Any) -> str | None:
+    """Which of OpenAI's limits the schema passes, in words: its enum values, its properties, or the length of its
+    property names, definition names, enum values and consts together."""
+    values = properties = chars = 0
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key == "enum" and isinstance(value, list):
+                values += len(value)
+                chars += sum(len(v) for v in value if isinstance(v, str))
+            elif key == "const" and isinstance(value, str):
+                chars += len(value)
+            elif key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                properties += len(value) if key == "properties" else 0
+                chars += sum(len(k) for k in value)
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+    return (
+        _over(values, MAX_ENUM_VALUES, "enum values")
+        or _over(properties, MAX_PROPERTIES, "properties")
+        or _over(chars, MAX_SCHEMA_CHARS, "characters of names, enum values and consts")
+    )
+
+
+def _over(count: int, limit: int, what: str) -> str | None:
+    return f"{count} {what}, more than {limit}" if count > limit else None
 
 
 _BOUNDS = (

@@ -195,6 +195,7 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, model_name)
         assert cases[i // len(SAMPLINGS)][1](text), (cases[i // len(SAMPLINGS)][0], text)
 
 
+HUGE_ENUM = {"type": "object", "properties": {"x": {"enum": [f"value {i}" for i in range(1001)]}}}
 OK = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
 
@@ -257,6 +258,18 @@ def test_agent_loop(client: openai.OpenAI, model_name):
             "tools.0.function.parameters",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
+        # Past OpenAI's limits, a schema or choice whose compile would hold a worker for minutes.
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": HUGE_ENUM}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"choice": [f"c{i}" for i in range(1001)]}}, "structured_outputs"),
+        (
+            {"tools": [WEATHER | {"function": {"name": "f", "parameters": HUGE_ENUM}}], "tool_choice": "required"},
+            "tools.0.function.parameters",
+        ),
+        # Nested counted repeats, whose masks would slow every stream's step.
+        ({"structured_outputs": {"regex": "((a{1,100}){1,100}){1,100}"}}, "structured_outputs"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
             "response_format",
