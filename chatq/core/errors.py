@@ -40,7 +40,8 @@ class NotFound(ChatqError):
 
 class ModelNotFound(NotFound):
     def __init__(self, model: str):
-        super().__init__(f"The model `{model}` does not exist.", "model")
+        shown = model if len(model) <= 200 else model[:200] + "..."  # a body's worth of name is not repeated
+        super().__init__(f"The model `{shown}` does not exist.", "model")
 
 
 class JobNotFound(NotFound):

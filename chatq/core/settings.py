@@ -76,8 +76,9 @@ class Settings(BaseSettings):
     # KV cache budget in tokens per worker (0: derive from free memory).
     kv_cache_tokens: NonNegative = 0
     kv_block_size: Positive = 16
-    # Tokens of prompt prefilled per engine step, so running streams keep flowing.
-    prefill_chunk: Positive = 512
+    # Tokens of prompt prefilled per engine step, so running streams keep flowing: on a CPU, a step of this many
+    # prompt tokens is the longest gap a running stream sees while a long prompt comes in.
+    prefill_chunk: Positive = 256
     max_model_len: NonNegative = 0
     # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
     cuda_graph_batch: NonNegative = 256

@@ -147,3 +147,8 @@ def test_an_unknown_model_is_a_404_everywhere(http: httpx.Client):
     resp = http.post("/tokenize", json={"model": "no-such-model", "prompt": "hi"})
     assert_error(resp, 404, "NotFoundError", "model")
     assert_error(http.get("/v1/models/no-such-model"), 404, "NotFoundError", "model")
+
+
+def test_a_long_unknown_name_is_not_repeated_whole(http: httpx.Client):
+    error = assert_error(chat(http, "m" * 100_000), 404, "NotFoundError", "model")
+    assert len(error["message"]) < 300 and error["message"].startswith("The model `mmm")
