@@ -195,6 +195,7 @@ def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, model_name)
         assert cases[i // len(SAMPLINGS)][1](text), (cases[i // len(SAMPLINGS)][0], text)
 
 
+WIDE = {f"p{i}": {"type": "string"} for i in range(501)}
 HUGE_ENUM = {"type": "object", "properties": {"x": {"enum": [f"value {i}" for i in range(1001)]}}}
 OK = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
@@ -264,6 +265,7 @@ def test_agent_loop(client: openai.OpenAI, model_name):
             "response_format",
         ),
         ({"structured_outputs": {"choice": [f"c{i}" for i in range(1001)]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "object", "properties": WIDE}}}, "structured_outputs"),
         (
             {"tools": [WEATHER | {"function": {"name": "f", "parameters": HUGE_ENUM}}], "tool_choice": "required"},
             "tools.0.function.parameters",
