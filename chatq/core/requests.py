@@ -166,6 +166,12 @@ class StructuredOutputs(BaseModel):
         ]
 
 
+def bounded(default: Any, **bounds: Any) -> Any:
+    """A field whose range the OpenAPI schema states (so generated clients and fuzzers see it), checked in check(),
+    which words its errors as vLLM does."""
+    return Field(default, json_schema_extra=bounds)
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by chat and legacy text completions: how to sample and how to stream."""
 
@@ -177,21 +183,21 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     background: bool = False
 
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = bounded(None, minimum=1)
+    temperature: float | None = bounded(None, minimum=0, maximum=2)
+    top_p: float | None = bounded(None, exclusiveMinimum=0, maximum=1)
+    top_k: int | None = bounded(None, minimum=-1)
+    min_p: float | None = bounded(None, minimum=0, maximum=1)
+    seed: int | None = bounded(None, minimum=-(2**63), maximum=2**63 - 1)
     stop: list[str] = Field(default_factory=list)  # a single string is accepted and wrapped
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = bounded(None, items={"type": "integer", "minimum": 0})
     include_stop_str_in_output: bool = False
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None  # None: the model's generation_config, else 1.0
+    n: int = bounded(1, minimum=1, maximum=MAX_N)
+    presence_penalty: float = bounded(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = bounded(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float | None = bounded(None, exclusiveMinimum=0)  # None: the model's generation_config, else 1
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    min_tokens: int = bounded(0, minimum=0)
     ignore_eos: bool = False
     echo: bool = False
     skip_special_tokens: bool = True
@@ -383,7 +389,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = bounded(None, minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
