@@ -143,7 +143,26 @@ def embedded_redis(settings: Settings) -> EmbeddedRedis:
     from chatq.embedded_redis import EmbeddedRedis, free_port
 
     port = free_port(6379)
-    return EmbeddedRedis(settings.cache_dir / "redis" / str(port), port=port)
+    data = settings.cache_dir / "redis" / str(port)
+    if port == 6379:
+        _adopt_shared_data(data)
+    return EmbeddedRedis(data, port=port)
+
+
+# What a Redis keeps in its directory: Redis 6's append-only file, Redis 7's directory of them, its snapshot.
+REDIS_FILES = ("appendonly.aof", "appendonlydir", "dump.rdb")
+
+
+def _adopt_shared_data(data: Path) -> None:
+    """Moves the data an earlier chatq kept in the shared `redis/` directory into the default port's, so the jobs
+    queued there are not left behind."""
+    if data.exists():
+        return
+    found = [data.parent / name for name in REDIS_FILES if (data.parent / name).exists()]
+    if found:
+        data.mkdir(parents=True)
+        for path in found:
+            path.rename(data / path.name)
 
 
 def up(settings: Settings, with_flower: bool = True) -> int:

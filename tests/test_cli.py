@@ -251,3 +251,14 @@ def test_a_second_stack_on_the_machine_keeps_its_redis_data_apart(tmp_path: Path
         assert second.data_dir != first.data_dir and second.data_dir.parent == first.data_dir.parent
     finally:
         first.stop()
+
+
+def test_the_data_of_the_shared_redis_directory_moves_to_the_default_ports(tmp_path: Path) -> None:
+    shared = tmp_path / "redis"
+    shared.mkdir()
+    (shared / "appendonly.aof").write_text("queued jobs")
+    moved = cli.embedded_redis(Settings(cache_dir=tmp_path, redis_url=""))
+    if moved.port != 6379:
+        pytest.skip("another server holds port 6379 here, so the default port's directory is not this stack's")
+    assert (moved.data_dir / "appendonly.aof").read_text() == "queued jobs"
+    assert not (shared / "appendonly.aof").exists()
