@@ -91,10 +91,19 @@ def test_a_tool_call_shows_as_one(page: Any, http: httpx.Client):
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+            },
         },
     }
-    forced = {"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    # Greedy, and a short city, so the call ends well inside its tokens (a sampled one can ramble past them).
+    forced = {
+        "tools": [weather],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 0,
+    }
     _send(page, "What is the weather in Paris?", 60, forced)
     call = page.locator("#log .msg.assistant .tool-call")
     expect(call).to_have_text(re.compile(r"^tool call: get_weather\(\{.*\}\)$"))
