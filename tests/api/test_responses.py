@@ -284,6 +284,7 @@ def test_objects_validate_strictly_as_the_sdks_types(client: openai.OpenAI):
     ]
     raw = client.responses.with_raw_response.create(input=conversation, max_output_tokens=2)
     resp = Response.model_validate(raw.http_response.json(), strict=True)
+    assert resp.reasoning is not None and resp.reasoning.effort is None  # echoed as OpenAI echoes it left out
     listed = client.responses.input_items.with_raw_response.list(resp.id).http_response.json()
     items = ResponseItemList.model_validate(listed, strict=True).data
     assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]

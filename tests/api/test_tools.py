@@ -266,6 +266,7 @@ def test_agent_loop(client: openai.OpenAI, model_name):
         ),
         ({"structured_outputs": {"choice": [f"c{i}" for i in range(1001)]}}, "structured_outputs"),
         ({"structured_outputs": {"json": {"type": "object", "properties": WIDE}}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"enum": ["x" * 60_000, "y" * 60_001]}}}, "structured_outputs"),
         (
             {"tools": [WEATHER | {"function": {"name": "f", "parameters": HUGE_ENUM}}], "tool_choice": "required"},
             "tools.0.function.parameters",
