@@ -1,19 +1,23 @@
-"""The submit script against a real Redis: the cap on waiting jobs and idempotency keys, each in one atomic step,
-and the idempotency key's expiry when its job ends or is deleted."""
+"""The scripts' declarations: every body reads its keys and arguments by name, a misnamed argument is refused, Lua's
+event envelope reads back as the Event it names. The submit script against a real Redis: the cap on waiting jobs and
+idempotency keys, each in one atomic step, and the idempotency key's expiry when its job ends or is deleted."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from chatq.core import keys, metrics, scripts
 from chatq.core.job import Event, EventKind
-from chatq.core.scripts import Outcome
+from chatq.core.scripts import LuaFunction, Outcome, Script
 from chatq.core.settings import Settings
 
 
@@ -176,3 +180,95 @@ async def test_a_listed_jobs_end_lengthens_the_lists_expiry_and_its_delete_unlis
 
     assert await scripts.cancel(client, deleted, 60, True, closing) == "queued"
     assert r.zscore(listing.key, deleted) is None and r.zscore(listing.key, cancelled) is not None
+
+
+DECLARED = {name: s for name, s in vars(scripts).items() if isinstance(s, Script)}
+
+
+def _lua_words(lua: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_]\w*", lua))
+
+
+def test_every_declared_script_is_found():
+    source = Path(scripts.__file__).read_text()
+    assert sorted(DECLARED) == sorted(re.findall(r"^(\w+) = Script\(", source, re.MULTILINE)) != []
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_a_script_reads_its_keys_and_arguments_by_their_names(name: str, r: redis.Redis):
+    script = DECLARED[name]
+    assert "KEYS[" not in script.body and "ARGV[" not in script.body
+    assert not any("KEYS[" in f.source or "ARGV[" in f.source for f in script.uses)
+    assert len(set(script.names)) == len(script.names)
+    assert [n for n in script.names if n not in _lua_words(script.body)] == []
+    assert r.script_load(script.source)  # it compiles
+
+
+@pytest.mark.parametrize(
+    ("declared", "refusal"),
+    [
+        (dict(keys=("job",), args=(), body="return redis.call('GET', KEYS[1])"), "reads KEYS or ARGV"),
+        (dict(keys=("job",), args=("ttl",), body="return redis.call('GET', job)"), "'ttl' is declared but"),
+        (dict(keys=("job",), args=("ttl",), body="-- ttl\nreturn redis.call('GET', job)"), "'ttl' is declared but"),
+        (dict(keys=("job",), args=("job",), body="return job"), "'job' is named twice"),
+        (dict(keys=("table",), args=(), body="return table"), "'table' hides a Lua word"),
+        (dict(keys=("end",), args=(), body="return 1 end"), "'end' hides a Lua word"),
+        (dict(keys=("job-log",), args=(), body="return 1"), "'job-log' is not a Lua name"),
+        (dict(keys=(), args=("seq",), tail="seq", body="return seq"), "'seq' is named twice"),
+        (dict(keys=(), args=(), tail="rest", body="return #ARGV"), "reads KEYS or ARGV"),
+        (dict(keys=(), args=("extend",), uses=(scripts._EXTEND,), body="extend(extend, 1)"), "named twice"),
+        (
+            dict(keys=("job",), args=(), uses=(scripts._EXTEND,), body="return job"),
+            "extend is in `uses` but the body never calls it",
+        ),
+    ],
+)
+def test_a_script_that_breaks_the_rules_cannot_be_declared(declared: dict, refusal: str):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        Script(**declared)
+
+
+def test_a_lua_function_reading_keys_or_arguments_cannot_be_declared():
+    with pytest.raises(ValueError, match="reads KEYS or ARGV"):
+        LuaFunction("local function first() return KEYS[1] end")
+
+
+def test_a_misnamed_argument_is_refused_before_anything_is_sent(r: redis.Redis):
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+    named = dict(job=keys.job(job_id), waiting=keys.waiting("m"), cancels=keys.cancels("w@a"))
+    named |= dict(running=keys.running("m"), worker="w@a", now=1.0, job_id=job_id, lane=0, delivery="")
+    with pytest.raises(TypeError, match=r"without \['delivery'\], with undeclared \['deliver'\]"):
+        scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "delivery"}, deliver="")
+    with pytest.raises(TypeError, match=r"without \['lane'\]"):
+        scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "lane"})
+    assert r.hget(keys.job(job_id), "status") == "queued"
+    # Named in any order, the arguments reach their places.
+    assert scripts._CLAIM.run(r, **dict(reversed(named.items())))
+    assert r.hmget(keys.job(job_id), "status", "worker") == ["in_progress", "w@a"]
+
+
+def test_a_script_redis_no_longer_holds_is_loaded_again(r: redis.Redis):
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+    r.script_flush()  # as a restarted Redis has none
+    assert scripts.claim(r, job_id, "m", "w@a")["status"] == "in_progress"
+
+
+# The one place Lua writes an event's envelope, run on its own.
+_WRITE_ENVELOPE = Script(
+    keys=(), args=("seq", "kind", "data"), uses=(scripts._ENVELOPE,), body="return envelope(seq, kind, data)"
+)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        Event(7, EventKind.error, {"error": {"message": 'a "quoted" é ☃\nline', "code": 500, "param": None}}),
+        Event(8, EventKind.done),
+        Event(1, EventKind.chunk, {"choices": [{"index": 0, "delta": {"content": "hi"}}]}),
+    ],
+)
+def test_the_lua_event_envelope_reads_back_as_its_event(event: Event, r: redis.Redis):
+    written = _WRITE_ENVELOPE.run(r, seq=event.seq, kind=event.event.value, data=orjson.dumps(event.data))
+    assert Event.from_json(written) == event
