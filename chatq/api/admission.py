@@ -70,7 +70,7 @@ class ServedModel:
                 "the messages or the prompt.",
                 "input_tokens",
             )
-        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        param = body.max_tokens_param
         if (body.max_new_tokens or 0) > limit:
             raise BadRequest(
                 f"{param} ({body.max_new_tokens}) must be at most the model's context length ({limit}).", param

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import orjson
@@ -166,10 +167,44 @@ class StructuredOutputs(BaseModel):
         ]
 
 
-def bounded(default: Any, **bounds: Any) -> Any:
-    """A field whose range the OpenAPI schema states (so generated clients and fuzzers see it), checked in check(),
-    which words its errors as vLLM does."""
-    return Field(default, json_schema_extra=bounds)
+class Range:
+    """A field's allowed values, declared once: pydantic writes them into the OpenAPI schema (generated clients and
+    fuzzers read them there) and check() refuses a value outside them with `message`, worded as vLLM words it."""
+
+    def __init__(self, message: str, **bounds: Any):
+        self.message = message
+        self.bounds = bounds  # JSON schema keywords: minimum, maximum, exclusiveMinimum, items
+
+    def __call__(self, schema: dict[str, Any]) -> None:
+        """Pydantic's json_schema_extra hook."""
+        schema.update(self.bounds)
+
+    def check(self, value: Any, param: str) -> None:
+        if not _within(value, self.bounds):
+            raise BadRequest(self.message, param)
+
+
+def _within(value: Any, bounds: dict[str, Any]) -> bool:
+    if value is None:
+        return True
+    if "items" in bounds:
+        return all(_within(v, bounds["items"]) for v in value)
+    low, high, above = bounds.get("minimum"), bounds.get("maximum"), bounds.get("exclusiveMinimum")
+    return (low is None or value >= low) and (high is None or value <= high) and (above is None or value > above)
+
+
+def bounded(default: Any, allowed: Range) -> Any:
+    """A field whose range the OpenAPI schema states and check() checks."""
+    return Field(default, json_schema_extra=allowed)
+
+
+def token_limit(param: str) -> Range:
+    return Range(f"{param} must be at least 1", minimum=1)
+
+
+# Below it, sampling takes the most likely token: the API refuses n > 1 there, and the worker's sampler picks the
+# argmax rather than divide by a temperature near zero.
+GREEDY_BELOW = 1e-5
 
 
 class GenerationRequest(BaseModel):
@@ -183,21 +218,26 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     background: bool = False
 
-    max_tokens: int | None = bounded(None, minimum=1)
-    temperature: float | None = bounded(None, minimum=0, maximum=2)
-    top_p: float | None = bounded(None, exclusiveMinimum=0, maximum=1)
-    top_k: int | None = bounded(None, minimum=-1)
-    min_p: float | None = bounded(None, minimum=0, maximum=1)
-    seed: int | None = bounded(None, minimum=-(2**63), maximum=2**63 - 1)
+    max_tokens: int | None = bounded(None, token_limit("max_tokens"))
+    temperature: float | None = bounded(None, Range("temperature must be in [0, 2]", minimum=0, maximum=2))
+    top_p: float | None = bounded(None, Range("top_p must be in (0, 1]", exclusiveMinimum=0, maximum=1))
+    top_k: int | None = bounded(None, Range("top_k must be -1 (disable), 0 (disable) or at least 1", minimum=-1))
+    min_p: float | None = bounded(None, Range("min_p must be in [0, 1]", minimum=0, maximum=1))
+    seed: int | None = bounded(None, Range("seed must be a 64-bit integer", minimum=-(2**63), maximum=2**63 - 1))
     stop: list[str] = Field(default_factory=list)  # a single string is accepted and wrapped
-    stop_token_ids: list[int] | None = bounded(None, items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[int] | None = bounded(
+        None, Range("stop_token_ids must be token ids", items={"type": "integer", "minimum": 0})
+    )
     include_stop_str_in_output: bool = False
-    n: int = bounded(1, minimum=1, maximum=MAX_N)
-    presence_penalty: float = bounded(0.0, minimum=-2, maximum=2)
-    frequency_penalty: float = bounded(0.0, minimum=-2, maximum=2)
-    repetition_penalty: float | None = bounded(None, exclusiveMinimum=0)  # None: the model's generation_config, else 1
+    n: int = bounded(1, Range(f"n must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
+    presence_penalty: float = bounded(0.0, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
+    frequency_penalty: float = bounded(0.0, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2))
+    # None: the model's generation_config, else 1
+    repetition_penalty: float | None = bounded(
+        None, Range("repetition_penalty must be greater than zero", exclusiveMinimum=0)
+    )
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = bounded(0, minimum=0)
+    min_tokens: int = bounded(0, Range("min_tokens must be at least 0", minimum=0))
     ignore_eos: bool = False
     echo: bool = False
     skip_special_tokens: bool = True
@@ -237,12 +277,18 @@ class GenerationRequest(BaseModel):
         return stops
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field whose token limit counts (chat's max_completion_tokens wins over the deprecated max_tokens)."""
+        return "max_tokens"
+
+    @property
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        value: int | None = getattr(self, self.max_tokens_param)
+        return value
 
     @property
     def greedy(self) -> bool:
-        return self.temperature is not None and self.temperature < 1e-5
+        return self.temperature is not None and self.temperature < GREEDY_BELOW
 
     def check(self) -> None:
         """Checks beyond single-field types; raises BadRequest naming the offending param."""
@@ -257,24 +303,11 @@ class GenerationRequest(BaseModel):
             if not ok:
                 raise BadRequest(message, param)
 
-        need(self.temperature is None or 0 <= self.temperature <= 2, "temperature must be in [0, 2]", "temperature")
-        need(self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
-        need(self.top_k is None or self.top_k >= -1, "top_k must be -1 (disable), 0 (disable) or at least 1", "top_k")
-        need(self.min_p is None or 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
-        need(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", "n")
+        for name, allowed in self._ranges():
+            allowed.check(getattr(self, name), name)
         need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            need(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2]", name)
-        need(
-            self.repetition_penalty is None or self.repetition_penalty > 0,
-            "repetition_penalty must be greater than zero",
-            "repetition_penalty",
-        )
-        need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit integer", "seed")
-        # Only the field that counts: max_completion_tokens wins over the deprecated max_tokens.
-        winner = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
-        need(self.max_new_tokens is None or self.max_new_tokens >= 1, f"{winner} must be at least 1", winner)
-        need(self.min_tokens >= 0, "min_tokens must be at least 0", "min_tokens")
+        # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
+        token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
         need(
             self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
             "min_tokens must be less than or equal to max_tokens",
@@ -293,8 +326,14 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens must be -1 or at least 1",
             "truncate_prompt_tokens",
         )
-        need(all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be token ids", "stop_token_ids")
         self._check_structured()
+
+    @classmethod
+    def _ranges(cls) -> Iterator[tuple[str, Range]]:
+        """The fields with a range, but the token limits: only the one that counts is checked."""
+        for name, f in cls.model_fields.items():
+            if isinstance(f.json_schema_extra, Range) and name not in ("max_tokens", "max_completion_tokens"):
+                yield name, f.json_schema_extra
 
     def _check_structured(self) -> None:
         fmt = self.response_format
@@ -389,7 +428,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = bounded(None, minimum=1)
+    max_completion_tokens: int | None = bounded(None, token_limit("max_completion_tokens"))
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -404,8 +443,8 @@ class ChatCompletionRequest(GenerationRequest):
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
 
     @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def thinking(self) -> bool:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chatq.core.requests import GREEDY_BELOW
+
 if TYPE_CHECKING:
     from chatq.worker.grammar import GrammarState
-
-GREEDY_BELOW = 1e-5
 
 
 @dataclass
