@@ -545,6 +545,14 @@ class CompletionRequest(GenerationRequest):
         super().check()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
+        if self.echo and self.logprobs is not None:
+            # A scoring client (lm-evaluation-harness) reads the echoed prompt's logprobs, which are not computed:
+            # the generated tokens' alone would score it wrongly and without an error.
+            raise BadRequest(
+                "`echo` with `logprobs` is not supported until prompt logprobs are: only the generated tokens' "
+                "logprobs would be returned, not the prompt's.",
+                "echo",
+            )
         if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
             raise BadRequest("The prompt must not be empty.", "prompt")
 
