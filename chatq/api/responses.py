@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
 import orjson
@@ -28,8 +27,6 @@ from chatq.core import responses, telemetry
 from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
 from chatq.core.job import Job, JobStatus
 from chatq.core.responses import ResponseEvents, ResponsesRequest
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(valid_json)])
 
@@ -154,7 +151,15 @@ async def list_input_items(
 
 def _stream(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None = None) -> EventStream:
     """The response's typed events numbered above `after`, replayed from its job's log then followed live."""
-    return event_stream(_frames(svc, job, after, on_disconnect), svc.settings)
+    # Every stream translates the log from its start: the events' numbers are the same in all of them.
+    events = ResponseEvents(job.id)
+
+    def failure() -> bytes:
+        error = responses.response_error(RelayFailed().body()["error"])
+        return _sse([{"type": "error", "sequence_number": events.seq + 1, **error}], after)
+
+    frames = _frames(svc, job, events, after)
+    return event_stream(frames, svc.settings, failure, on_disconnect, f"response {job.id}")
 
 
 def _sse(events: list[dict[str, Any]], after: int) -> bytes:
@@ -166,35 +171,21 @@ def _sse(events: list[dict[str, Any]], after: int) -> bytes:
     )
 
 
-async def _frames(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None] | None) -> AsyncIterator[bytes]:
-    # Every stream translates the log from its start: the events' numbers are the same in all of them.
-    events, finished = ResponseEvents(job.id), False
+async def _frames(svc: Service, job: Job, events: ResponseEvents, after: int) -> AsyncGenerator[bytes, None]:
     # As OpenAI opens them: a background response is queued, one streamed as it runs is in progress at once.
     background = ((job.response or {}).get("request") or {}).get("background")
     status = JobStatus.queued if background else JobStatus.in_progress
     opening = job.model_copy(update={"status": status, "result": None, "error": None})
     snapshot = responses.response_object(opening)
-    try:
-        if frame := _sse(events.opening(snapshot), after):
+    if frame := _sse(events.opening(snapshot), after):
+        yield frame
+    snapshot["status"] = "in_progress"
+    async for batch in svc.relay.batches(job.id, 0):
+        out = [e for event in batch for e in events.feed(event, snapshot)]
+        if events.ended:
+            out += events.terminal(await _final(svc, job, snapshot))
+        if frame := _sse(out, after):
             yield frame
-        snapshot["status"] = "in_progress"
-        async for batch in svc.relay.batches(job.id, 0):
-            out = [e for event in batch for e in events.feed(event, snapshot)]
-            if events.ended:
-                out += events.terminal(await _final(svc, job, snapshot))
-            if frame := _sse(out, after):
-                yield frame
-        finished = True
-    except Exception:
-        # The client is still there: it gets an error event and the end of the stream, and its job goes on.
-        log.exception("relaying response %s failed", job.id)
-        finished = True
-        error = responses.response_error(RelayFailed().body()["error"])
-        failed = {"type": "error", "sequence_number": events.seq + 1, **error}
-        yield _sse([failed], after)
-    finally:
-        if on_disconnect is not None and not finished:
-            on_disconnect()
 
 
 async def _final(svc: Service, job: Job, snapshot: dict[str, Any]) -> dict[str, Any]:

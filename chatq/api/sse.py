@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -60,13 +61,33 @@ def job_stream(
     relay: Relay, job_id: str, after: int, settings: Settings, on_disconnect: Callable[[], None] | None = None
 ) -> EventStream:
     """The job's events after `after`; `on_disconnect` runs if the client leaves before the end."""
-    return event_stream(_frames(relay, job_id, after, on_disconnect), settings)
+    last = after
+
+    async def frames() -> AsyncGenerator[bytes, None]:
+        nonlocal last
+        # Events that arrived together leave in one write: a stream that fell behind catches up cheaply.
+        async for batch in relay.batches(job_id, after):
+            yield b"".join(e.sse_frame() for e in batch)
+            last = batch[-1].seq
+
+    def failure() -> bytes:
+        return b"".join(e.sse_frame() for e in ending(last, RelayFailed()))
+
+    return event_stream(frames(), settings, failure, on_disconnect, f"job {job_id}")
 
 
-def event_stream(frames: AsyncIterator[bytes], settings: Settings) -> EventStream:
-    """An SSE response of `frames`, with the keep-alives and send timeout the settings name."""
+def event_stream(
+    frames: AsyncGenerator[bytes, None],
+    settings: Settings,
+    failure: Callable[[], bytes],
+    on_disconnect: Callable[[], None] | None,
+    what: str,
+) -> EventStream:
+    """An SSE response of `frames`, with the keep-alives and send timeout the settings name. Should relaying them
+    fail, the client gets `failure()`, which ends its stream (it is still there, and its job goes on); `on_disconnect`
+    runs if the client leaves before the end. `what` names the stream in the log."""
     return EventStream(
-        frames,
+        _guarded(frames, failure, on_disconnect, what),
         ping=settings.sse_keepalive,
         ping_message_factory=KeepAlive,
         send_timeout=settings.sse_send_timeout,
@@ -74,21 +95,22 @@ def event_stream(frames: AsyncIterator[bytes], settings: Settings) -> EventStrea
     )
 
 
-async def _frames(
-    relay: Relay, job_id: str, after: int, on_disconnect: Callable[[], None] | None
+async def _guarded(
+    frames: AsyncGenerator[bytes, None],
+    failure: Callable[[], bytes],
+    on_disconnect: Callable[[], None] | None,
+    what: str,
 ) -> AsyncIterator[bytes]:
-    finished, last = False, after
+    finished = False
     try:
-        # Events that arrived together leave in one write: a stream that fell behind catches up cheaply.
-        async for batch in relay.batches(job_id, after):
-            yield b"".join(e.sse_frame() for e in batch)
-            last = batch[-1].seq
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
         finished = True
     except Exception:
-        # The client is still there: it gets an error and the end of the stream, and its job goes on.
-        log.exception("relaying job %s failed", job_id)
+        log.exception("relaying %s failed", what)
         finished = True
-        yield b"".join(e.sse_frame() for e in ending(last, RelayFailed()))
+        yield failure()
     finally:
         if on_disconnect is not None and not finished:
             on_disconnect()

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import jsonschema
 import openai
 import pytest
+import redis
 from openai.types.responses import Response, ResponseItemList
 
+from chatq.core import keys
+from chatq.core.job import Job, JobStatus
+from chatq.core.requests import ChatCompletionRequest
+from chatq.core.responses import ResponsesRequest
 from tests.api.conftest import KEY_A, KEY_B, Guarded
+from tests.helpers import stream
 
 ASK = "Count from 1 to 100, one number per line."
 WEATHER = {
@@ -304,3 +311,25 @@ def test_the_chat_routes_do_not_serve_a_response(client: openai.OpenAI, http):
     assert http.post(f"/v1/chat/completions/{resp.id}/cancel").status_code == 404
     assert http.delete(f"/v1/chat/completions/{resp.id}").status_code == 404
     assert client.responses.retrieve(resp.id).output_text == resp.output_text
+
+
+def test_a_log_entry_the_relay_cannot_read_ends_the_stream_with_an_error_event(http, r: redis.Redis, model_name: str):
+    # A running response whose log holds an entry no version of chatq wrote: the relay fails on it.
+    job = Job(
+        id=f"resp_{uuid.uuid4().hex}",
+        model=model_name,
+        kind="response",
+        request=ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}]),
+        status=JobStatus.in_progress,
+        response={"request": ResponsesRequest(input="Hi").echo(), "input": [], "context": []},
+    )
+    r.hset(keys.job(job.id), mapping=job.to_redis())
+    r.xadd(keys.events(job.id), {"msg": "not an event"}, id="0-1")
+    try:
+        events = [f.json for f in stream(http, "GET", f"/v1/responses/{job.id}", params={"stream": "true"})]
+        # The stream ends, not hangs, and says why, numbered after the last event sent; the job goes on.
+        assert [(e["type"], e["sequence_number"]) for e in events] == [("response.created", 0), ("error", 1)]
+        assert events[1]["code"] == "server_error" and "resume the stream" in events[1]["message"]
+        assert r.hget(keys.job(job.id), "status") == "in_progress"
+    finally:
+        r.delete(keys.job(job.id), keys.events(job.id))
