@@ -284,7 +284,7 @@ def snapshot(r: redis.Redis, model: str) -> tuple[int, int, int]:
     """What a refused request must leave unchanged: job records, the Celery queue and the waiting set."""
     jobs = sum(1 for k in r.scan_iter(keys.job("*")) if k.count(":") == keys.job("").count(":"))
     queued = sum(r.llen(k) for k in r.scan_iter(keys.celery_queue(model) + "*"))
-    return jobs, queued, r.zcard(keys.waiting(model))
+    return jobs, queued, r.zcard(keys.queued(model))
 
 
 def cancel_job(settings: Settings, job_id: str, delete: bool = False) -> None:
@@ -304,11 +304,11 @@ def quiesce(r: redis.Redis, settings: Settings, timeout: float = 60) -> None:
     """Cancels the model's queued and running jobs (left by earlier tests: background jobs outlive their test) and
     waits until none is left, so what a test counts next is its own jobs' doing."""
     model = settings.model_name
-    for job_id in {*r.zrange(keys.waiting(model), 0, -1), *r.smembers(keys.running(model))}:
+    for job_id in {*r.zrange(keys.queued(model), 0, -1), *r.smembers(keys.running(model))}:
         with contextlib.suppress(JobNotFound):  # it ended meanwhile, and expired
             cancel_job(settings, job_id)
     deadline = time.time() + timeout
-    while r.zcard(keys.waiting(model)) or r.scard(keys.running(model)):
+    while r.zcard(keys.queued(model)) or r.scard(keys.running(model)):
         assert time.time() < deadline, "the model's jobs did not end"
         time.sleep(0.05)
 

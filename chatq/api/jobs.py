@@ -270,7 +270,7 @@ class JobStore:
         return job if model is None or job.model == model else None
 
     async def queue_position(self, job: Job) -> int | None:
-        rank: int | None = await self.redis.zrank(keys.waiting(job.model), job.id)  # type: ignore[assignment]
+        rank: int | None = await self.redis.zrank(keys.queued(job.model), job.id)  # type: ignore[assignment]
         return None if rank is None else rank + 1
 
     @staticmethod

@@ -87,7 +87,7 @@ async def read_models(client: aioredis.Redis, default_model: str) -> list[Metric
     models = sorted(registered | {default_model})
     pipe = client.pipeline(transaction=False)
     for model in models:
-        pipe.zcard(keys.waiting(model))
+        pipe.zcard(keys.queued(model))
         pipe.scard(keys.running(model))
         pipe.hgetall(keys.metrics(model))
     replies: list[Any] = await pipe.execute()

@@ -1,25 +1,12 @@
 """Every Redis key, channel and Celery queue name chatq uses, built in one place.
 
-Layout (documented in docs/redis.md):
-  chatq:job:{id}            hash   the job record (status, request, result, progress)
-  chatq:job:{id}:events     stream the replayable event log, entry ids 0-{seq}
-  chatq:job:{id}:live       pubsub the same events as they happen
-  chatq:cancels:{worker}    set    ids of that worker's running jobs that a client cancelled; read at every step
-  chatq:queue:{model}       zset   jobs waiting for a worker of that model, for queue positions
-  chatq:models              set    names of the models a worker registered (live or not)
-  chatq:model:{model}       hash   what the API needs to serve that model: its card, tokenizer and chat templates
-  chatq:workers:{model}     zset   live workers of that model, scored by last heartbeat
-  chatq:running:{model}     set    ids of that model's jobs a worker holds, for the sweep that reclaims a dead one's
-  chatq:idem:{owner}:{key}  string the job id an Idempotency-Key names, for that owner (a hash of the API key)
-  chatq:owner:{owner}:jobs  zset   that owner's newest job ids, scored by submit time, for the jobs list
-  chatq:metrics:{model}     hash   finished jobs' metrics: histogram bucket counters, sums, token and finish counts
-  chatq.{model}             list   Celery's queue of that model's tasks, one list per priority lane (celery_lane)
-  unacked, unacked_index    hash, zset  kombu's delivered, unacknowledged messages (a reclaimed job's are dropped)
-  chatq.webhooks            list   Celery's queue of webhook deliveries, pushed by a job's last write
-  chatq:webhooks:unacked, chatq:webhooks:unacked_index, chatq:webhooks:unacked_mutex  the same for the webhook worker
+LAYOUT, at the end, gives each name's type and content: docs/redis.md's table is generated from it
+(`python -m chatq.core.keys` prints the table).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 PREFIX = "chatq"
 
@@ -42,7 +29,8 @@ def cancels(worker: str) -> str:
     return f"{PREFIX}:cancels:{worker}"
 
 
-def waiting(model: str) -> str:
+def queued(model: str) -> str:
+    """The model's queued jobs, ranked in the order its workers take them."""
     return f"{PREFIX}:queue:{model}"
 
 
@@ -101,3 +89,87 @@ _LANE_SEP = "\x06\x16"
 
 def celery_lane(queue: str, lane: int) -> str:
     return f"{queue}{_LANE_SEP}{lane}" if lane else queue
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the layout: names of one kind, their Redis type, and what they hold (Markdown)."""
+
+    names: tuple[str, ...]
+    type: str
+    content: str
+
+
+LAYOUT = (
+    Entry((job("{id}"),), "hash", "the job record (fields below)"),
+    Entry((events("{id}"),), "stream", "every event of the job; entry id `0-{seq}`, one field `msg`"),
+    Entry((live("{id}"),), "pub/sub", "the same `msg` of each event as it happens"),
+    Entry((cancels("{worker}"),), "set", "ids of that worker's running jobs that a client cancelled"),
+    Entry(
+        (queued("{model}"),),
+        "zset",
+        "that model's queued job ids, ranked in the order its workers take them: queue positions",
+    ),
+    Entry((models(),), "set", "names of the models a worker registered, live or not"),
+    Entry(
+        (model("{model}"),),
+        "hash",
+        "the model's entry: `record` (JSON: `name`, `max_model_len`, `vocab_size`, `chat_templates`, "
+        "`special_tokens`, `eos_token_ids`, `sampling_defaults`), `tokenizer` (its `tokenizer.json`), `digest` (of "
+        "the two), `created`",
+    ),
+    Entry((workers("{model}"),), "zset", "live workers, scored by their last heartbeat"),
+    Entry(
+        (running("{model}"),),
+        "set",
+        "ids of the model's jobs a worker holds: what the sweep checks against the live workers",
+    ),
+    Entry((idempotency("{owner}", "{key}"),), "string", "the job id an `Idempotency-Key` names for that owner"),
+    Entry(
+        (owner_jobs("{owner}"),),
+        "zset",
+        "that owner's newest 1000 job ids, scored by submit time: `GET /v1/chat/completions`",
+    ),
+    Entry(
+        (metrics("{model}"),),
+        "hash",
+        "finished jobs' metrics, read by `/metrics`: per-bucket histogram counters, sums, counts, token totals, "
+        "`success:{finished_reason}` ([metrics](operations.md#metrics))",
+    ),
+    Entry(
+        (celery_queue("{model}"), celery_queue("{model}") + _LANE_SEP + "{lane}"),
+        "list",
+        "the Celery queue of that model, one list per priority lane",
+    ),
+    Entry(
+        (KOMBU_UNACKED, KOMBU_UNACKED_INDEX),
+        "hash, zset",
+        "kombu's delivered, unacknowledged messages of the models' queues, by delivery tag (a reclaimed job's are "
+        "dropped)",
+    ),
+    Entry(
+        (webhook_queue(),),
+        "list",
+        "the Celery queue of webhook deliveries, pushed by the script that ends a background job "
+        "([webhooks](webhooks.md))",
+    ),
+    Entry(
+        tuple(webhook_unacked(name) for name in ("unacked", "unacked_index", "unacked_mutex")),
+        "hash, zset, string",
+        "kombu's bookkeeping of the webhook worker's unacknowledged deliveries, apart from the generation workers' "
+        "`unacked`",
+    ),
+)
+
+
+def layout_table() -> str:
+    """LAYOUT as docs/redis.md's Markdown table."""
+    rows = ["| key | type | content |", "|---|---|---|"]
+    for entry in LAYOUT:
+        names = ", ".join(f"`{name.encode('unicode_escape').decode()}`" for name in entry.names)
+        rows.append(f"| {names} | {entry.type} | {entry.content} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(layout_table(), end="")

@@ -158,10 +158,10 @@ local function extend(key, ttl)
 end
 """)
 
-# Pushes a background job's webhook messages (chatq.core.webhooks.Outbox.block, "" for none) onto the webhook queue,
+# Pushes a background job's webhook messages (chatq.core.webhooks.WebhookMessages.block, "" for none) onto the webhook queue,
 # in the script that ends the job, so no end is lost between it and its webhook. The job's kind and its status
 # complete each message; a job whose request is not a background one sends none. A response whose text ran out of
-# tokens ended `incomplete`, as its Response says (chatq.core.responses.status_of). The queue is named in the block,
+# tokens ended `incomplete`, as its Response says (chatq.core.response_object.status_of). The queue is named in the block,
 # not in KEYS, which Redis Cluster forbids (as the cancel script's completed prefixes).
 _PUSH_WEBHOOKS = LuaFunction("""
 local function push_webhooks(block, job, status)
@@ -193,7 +193,7 @@ end
 _SUBMIT = Script(
     keys=(
         "job",
-        "waiting",
+        "queued",
         "task_queue",  # the Celery queue's list
         "idem",  # the idempotency key; the record's key when the request has none
         "owner_jobs",  # the owner's list of jobs; the record's key when the job is not listed
@@ -202,7 +202,7 @@ _SUBMIT = Script(
         "job_id",
         "score",
         "task",  # the Celery task message
-        "max_queued",  # the cap on waiting jobs; 0: none
+        "max_queued",  # the cap on queued jobs; 0: none
         "job_prefix",  # keys.job("")
         "has_idem",  # "1" when the request has an idempotency key
         "listed",  # "1" when the job is listed
@@ -224,9 +224,9 @@ if has_idem == '1' then
 end
 if redis.call('EXISTS', job) == 1 then return {'taken'} end
 local cap = tonumber(max_queued)
-if cap > 0 and redis.call('ZCARD', waiting) >= cap then return {'full'} end
+if cap > 0 and redis.call('ZCARD', queued) >= cap then return {'full'} end
 redis.call('HSET', job, 'id', job_id, unpack(fields))
-redis.call('ZADD', waiting, score, job_id)
+redis.call('ZADD', queued, score, job_id)
 redis.call('LPUSH', task_queue, task)
 if has_idem == '1' then redis.call('SET', idem, job_id) end
 if listed == '1' then
@@ -234,7 +234,7 @@ if listed == '1' then
   redis.call('ZREMRANGEBYRANK', owner_jobs, 0, -1 - tonumber(keep))
   extend(owner_jobs, list_ttl)
 end
-return {'queued', redis.call('ZRANK', waiting, job_id)}
+return {'queued', redis.call('ZRANK', queued, job_id)}
 """,
 )
 
@@ -260,7 +260,7 @@ class Listing:
 class Submitted:
     outcome: Outcome
     job_id: str  # the existing job's, for Outcome.existing
-    rank: int | None = None  # the job's rank in the waiting set, for Outcome.queued
+    rank: int | None = None  # the job's rank among the queued jobs, for Outcome.queued
 
 
 async def submit(
@@ -291,7 +291,7 @@ async def submit(
     reply = await _SUBMIT.run(
         client,
         job=record_key,
-        waiting=keys.waiting(model),
+        queued=keys.queued(model),
         task_queue=queue,
         idem=idem or record_key,
         owner_jobs=listing.key if listing is not None else record_key,
@@ -316,7 +316,7 @@ async def submit(
 _CLAIM = Script(
     keys=(
         "job",
-        "waiting",
+        "queued",
         "cancels",  # the claiming worker's cancel set
         "running",  # the model's running set
     ),
@@ -331,7 +331,7 @@ _CLAIM = Script(
 if redis.call('HGET', job, 'status') ~= 'queued' then return {} end
 redis.call('HSET', job, 'status', 'in_progress', 'worker', worker, 'started', now, 'lane', lane, 'delivery', delivery)
 redis.call('HINCRBY', job, 'attempts', 1)
-redis.call('ZREM', waiting, job_id)
+redis.call('ZREM', queued, job_id)
 redis.call('SADD', running, job_id)
 if redis.call('HEXISTS', job, 'cancel') == 1 then
   redis.call('SADD', cancels, job_id)
@@ -352,7 +352,7 @@ def claim(
     record = _CLAIM.run(
         client,
         job=keys.job(job_id),
-        waiting=keys.waiting(model),
+        queued=keys.queued(model),
         cancels=keys.cancels(worker),
         running=keys.running(model),
         worker=worker,
@@ -373,7 +373,7 @@ _RECLAIM = Script(
         "live",
         "workers",  # the model's live-worker registry
         "running",
-        "waiting",
+        "queued",
         "unacked",  # kombu's unacked hash
         "unacked_index",  # and its index
         "metrics",  # the model's metrics hash: a job failed here counts as ended with an error
@@ -434,7 +434,7 @@ end
 redis.call('HSET', job, 'status', 'queued', unpack(fields))
 redis.call('HDEL', job, 'worker')
 redis.call('PERSIST', events)
-redis.call('ZADD', waiting, score, job_id)
+redis.call('ZADD', queued, score, job_id)
 redis.call('RPUSH', task_queue, task)  -- the end workers pop from: it has waited once already
 return 'queued'
 """,
@@ -454,7 +454,7 @@ class Requeue:
     # When the task counts as sent, for the sweep that sends a lost one again (scripts.redeliver); a stopping
     # worker's hand-back dates it a worker TTL back, as the stopping worker's own pending read may take it.
     queued_at: float = 0.0
-    webhook: str = ""  # the webhooks its failure sends (chatq.core.webhooks.Outbox.block)
+    webhook: str = ""  # the webhooks its failure sends (chatq.core.webhooks.WebhookMessages.block)
 
 
 def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_ttl: float, how: Requeue) -> str | None:
@@ -469,7 +469,7 @@ def reclaim(client: redis.Redis, job_id: str, model: str, holder: str, worker_tt
         live=keys.live(job_id),
         workers=keys.workers(model),
         running=keys.running(model),
-        waiting=keys.waiting(model),
+        queued=keys.queued(model),
         unacked=keys.KOMBU_UNACKED,
         unacked_index=keys.KOMBU_UNACKED_INDEX,
         metrics=keys.metrics(model),
@@ -548,7 +548,7 @@ _CANCEL = Script(
         "job_id",
         "cancels_prefix",  # keys.cancels("")
         "delete",  # "1" to delete
-        "waiting_prefix",  # keys.waiting("")
+        "queued_prefix",  # keys.queued("")
         "metrics_prefix",  # keys.metrics("")
         "webhooks",  # the webhook block, sent when a queued job is cancelled, not deleted
     ),
@@ -561,7 +561,7 @@ if status == 'queued' then
   redis.call('HSET', job, 'status', 'cancelled')
   local model = redis.call('HGET', job, 'model')
   if model then
-    redis.call('ZREM', waiting_prefix .. model, job_id)
+    redis.call('ZREM', queued_prefix .. model, job_id)
     redis.call('HINCRBYFLOAT', metrics_prefix .. model, 'success:abort', 1)
   end
   for i = 1, #closing, 2 do
@@ -607,7 +607,7 @@ async def cancel(
     cancel set, which stops it at the next step (the flag, should another worker take the job over). Deleted, a job
     is gone for readers at once; a running one's record and log stay hidden until its worker's last write removes
     them, so a job resubmitted under its id never meets the old run's writes. A queued background job cancelled
-    (not deleted) sends `webhook` (chatq.core.webhooks.Outbox.block); a running one's worker sends its own.
+    (not deleted) sends `webhook` (chatq.core.webhooks.WebhookMessages.block); a running one's worker sends its own.
     """
     return await _CANCEL.run(
         client,
@@ -618,7 +618,7 @@ async def cancel(
         job_id=job_id,
         cancels_prefix=keys.cancels(""),
         delete="1" if delete else "0",
-        waiting_prefix=keys.waiting(""),
+        queued_prefix=keys.queued(""),
         metrics_prefix=keys.metrics(""),
         webhooks=webhook,
         closing=[x for e in closing for x in (f"0-{e.seq}", e.to_json())],
@@ -741,7 +741,7 @@ def update_record(
 ) -> None:
     """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
     model's running set, adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics) and, for a
-    background job, pushes its `webhook` messages (chatq.core.webhooks.Outbox.block).
+    background job, pushes its `webhook` messages (chatq.core.webhooks.WebhookMessages.block).
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its

@@ -65,7 +65,7 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
 
 def _sweep_queued(client: redis.Redis, settings: Settings) -> dict[str, str]:
     """A queued job waiting longer than the worker TTL is checked for its task message (see scripts.redeliver)."""
-    queued: list[str] = client.zrange(keys.waiting(settings.model_name), 0, -1)  # type: ignore[assignment]
+    queued: list[str] = client.zrange(keys.queued(settings.model_name), 0, -1)  # type: ignore[assignment]
     if not queued:
         return {}
     pipe = client.pipeline(transaction=False)

@@ -213,7 +213,7 @@ def test_queued_job_shows_its_position_and_can_be_cancelled(
         last = jobs[-1]["id"]
         view = http.post(f"/v1/chat/completions/{last}/cancel").json()
         assert view["status"] == "cancelled"
-        assert r.zrank(keys.waiting(model_name), last) is None
+        assert r.zrank(keys.queued(model_name), last) is None
         # Clients waiting for a queued job's answer learn it was cancelled: each choice ends with `abort`.
         waiter_id, streamer_id = f"waiter-{uuid.uuid4().hex}", f"streamer-{uuid.uuid4().hex}"
         body = {"messages": LONG, "max_tokens": 5, "n": 2, "temperature": 1}
@@ -279,10 +279,10 @@ def test_a_queued_job_of_another_model_leaves_its_own_queue_when_cancelled(setti
     job_id = asyncio.run(submit_elsewhere())
     for queue in r.scan_iter(keys.celery_queue("another-model") + "*"):  # its task: no worker serves that model
         r.delete(queue)
-    assert r.zscore(keys.waiting("another-model"), job_id) is not None
+    assert r.zscore(keys.queued("another-model"), job_id) is not None
     r.set(keys.events(job_id), "not a log")
     cancel_job(settings, job_id)
-    assert r.zscore(keys.waiting("another-model"), job_id) is None
+    assert r.zscore(keys.queued("another-model"), job_id) is None
     assert r.hget(keys.job(job_id), "status") == "cancelled" and r.ttl(keys.job(job_id)) > 0
 
 
@@ -292,7 +292,7 @@ def test_a_job_whose_record_the_worker_cannot_read_fails_instead_of_hanging(stac
         id=f"chatcmpl-unreadable-{uuid.uuid4().hex}", model=model_name, request=ChatCompletionRequest(messages=LONG)
     )
     r.hset(keys.job(job.id), mapping=job.to_redis() | {"request": '{"written_by": "another version"}'})
-    r.zadd(keys.waiting(model_name), {job.id: time.time()})
+    r.zadd(keys.queued(model_name), {job.id: time.time()})
     queue, message = task_message(make_celery(settings), job.id, keys.celery_queue(model_name), celery_priority(0))
     r.lpush(queue, message)
     deadline = time.time() + 30
@@ -302,7 +302,7 @@ def test_a_job_whose_record_the_worker_cannot_read_fails_instead_of_hanging(stac
     events = [json.loads(f["msg"]) for _, f in r.xrange(keys.events(job.id))]
     assert [e["event"] for e in events] == ["error", "done"]
     assert "cannot read the job's record" in events[0]["data"]["error"]["message"]
-    assert r.ttl(keys.job(job.id)) > 0 and r.zscore(keys.waiting(model_name), job.id) is None
+    assert r.ttl(keys.job(job.id)) > 0 and r.zscore(keys.queued(model_name), job.id) is None
 
 
 def test_a_log_entry_the_relay_cannot_read_ends_the_stream_with_an_error_and_leaves_the_job_alone(

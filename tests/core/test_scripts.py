@@ -42,7 +42,7 @@ async def _submit(
 
 def _enqueued(r: redis.Redis, model: str) -> tuple[int, int]:
     """Jobs in the model's waiting set, and task messages in its Celery list."""
-    return r.zcard(keys.waiting(model)), r.llen(keys.celery_queue(model))
+    return r.zcard(keys.queued(model)), r.llen(keys.celery_queue(model))
 
 
 async def test_exactly_the_cap_of_concurrent_submits_is_queued(client: aioredis.Redis, r: redis.Redis):
@@ -59,7 +59,7 @@ async def test_running_jobs_do_not_count_against_the_cap(client: aioredis.Redis,
     model = _model()
     first = await _submit(client, model, cap=1)
     assert (await _submit(client, model, cap=1)).outcome is Outcome.full
-    r.zrem(keys.waiting(model), first.job_id)  # what a worker's claim does
+    r.zrem(keys.queued(model), first.job_id)  # what a worker's claim does
     assert (await _submit(client, model, cap=1)).outcome is Outcome.queued
 
 

@@ -59,7 +59,7 @@ def test_a_stopped_workers_job_is_queued_again_once_however_many_sweep(r, model_
     assert queued_tasks(r, settings) == 1
     record = r.hgetall(keys.job(job_id))
     assert record["status"] == "queued" and "worker" not in record and record["attempts"] == "1"
-    assert r.zscore(keys.waiting(settings.model_name), job_id) is not None
+    assert r.zscore(keys.queued(settings.model_name), job_id) is not None
     assert not r.sismember(keys.running(settings.model_name), job_id)
     assert r.ttl(keys.events(job_id)) == -1  # the log waits with the job for a worker to continue it
 
@@ -152,7 +152,7 @@ def queued_job(r: redis.Redis, settings, job_id: str, age: float) -> tuple[str, 
     job = Job(id=job_id, model=settings.model_name, request=request, prompt_ids=[1, 2])
     queue, message = task_message(make_celery(settings), job_id, keys.celery_queue(settings.model_name), LANE)
     r.hset(keys.job(job_id), mapping=job.to_redis() | task_fields(queue, message, time.time() - age))
-    r.zadd(keys.waiting(settings.model_name), {job_id: LANE * 1e11})
+    r.zadd(keys.queued(settings.model_name), {job_id: LANE * 1e11})
     r.lpush(queue, message)
     return queue, message
 

@@ -1,0 +1,45 @@
+"""The key layout: docs/redis.md shows it as keys.py declares it, and every name a builder makes has its row."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from chatq.core import keys
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+# Arguments to call each builder with: a builder added to keys.py needs its example here, and then its row.
+EXAMPLES = {
+    keys.job: ("abc",),
+    keys.events: ("abc",),
+    keys.live: ("abc",),
+    keys.cancels: ("w1",),
+    keys.queued: ("m",),
+    keys.models: (),
+    keys.model: ("m",),
+    keys.workers: ("m",),
+    keys.running: ("m",),
+    keys.metrics: ("m",),
+    keys.idempotency: ("0f", "key"),
+    keys.owner_jobs: ("0f",),
+    keys.celery_queue: ("m",),
+    keys.celery_lane: (keys.celery_queue("m"), 3),
+    keys.webhook_queue: (),
+    keys.webhook_unacked: ("unacked_mutex",),
+}
+
+
+def test_the_redis_page_shows_the_layout_keys_py_declares():
+    page = (ROOT / "docs" / "redis.md").read_text()
+    assert keys.layout_table() in page, "regenerate docs/redis.md's table: python -m chatq.core.keys"
+
+
+def test_every_name_a_builder_makes_has_its_row():
+    builders = {f for name, f in vars(keys).items() if inspect.isfunction(f) and f.__module__ == keys.__name__}
+    assert builders - {keys.layout_table} == set(EXAMPLES)
+    # A row's {placeholder} stands for any part of a name between colons.
+    rows = [re.compile(re.sub(r"\\\{\w+\\\}", "[^:]+", re.escape(n))) for e in keys.LAYOUT for n in e.names]
+    made = [build(*args) for build, args in EXAMPLES.items()] + [keys.KOMBU_UNACKED, keys.KOMBU_UNACKED_INDEX]
+    assert [name for name in made if not any(row.fullmatch(name) for row in rows)] == []
