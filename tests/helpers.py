@@ -28,7 +28,7 @@ from chatq.core.model_info import ModelInfo
 from chatq.core.queue import make_celery
 from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
-from chatq.worker.parse import Message, Parser
+from chatq.worker.parse import JoinedDeltas, Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -324,7 +324,7 @@ def assert_error(resp: httpx.Response, status: int, type_: str, param: str | Non
 
 def combine(deltas: Iterable[Delta]) -> tuple[str | None, str | None, list[dict[str, Any]]]:
     """Deltas of one choice -> (content, reasoning, tool_calls), as the worker builds a final message."""
-    message = Message()
+    message = JoinedDeltas()
     for d in deltas:
         message.add(d)
     return message.result()

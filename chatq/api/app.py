@@ -20,7 +20,7 @@ from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.routes import PLAYGROUND, Service, open_router, router
-from chatq.core import collector, logs, telemetry
+from chatq.core import gc_tuning, logs, telemetry
 from chatq.core.queue import make_celery
 from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
@@ -50,7 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         api_keys.warn_if_open()
-        collector.settle()
+        gc_tuning.settle()
         yield
         await client.aclose()
         telemetry.shutdown()

@@ -19,7 +19,7 @@ from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
 from chatq.core import keys, logs, scripts, telemetry
-from chatq.core.chunks import never_ran
+from chatq.core.chunks import cancelled_while_queued
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import celery_priority, task_fields, task_message
@@ -27,7 +27,7 @@ from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
-from chatq.core.webhooks import Outbox as WebhookOutbox
+from chatq.core.webhooks import WebhookMessages
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class JobStore:
         self.settings = settings
         self._detached: set[asyncio.Task[None]] = set()
         self.replicas = ReplicaWait.of(settings)
-        self.webhooks = WebhookOutbox.of(settings)
+        self.webhooks = WebhookMessages.of(settings)
 
     async def submit(
         self,
@@ -196,7 +196,7 @@ class JobStore:
         if h.get("status") == JobStatus.queued:
             logged = await last_seq(self.redis, job_id) or 0  # a log it cannot read: still cancelled
             with contextlib.suppress(ValueError, KeyError):  # a record this version cannot read is still cancelled
-                chunks = never_ran(Job.from_redis(h), opened=logged > 0)[0]
+                chunks = cancelled_while_queued(Job.from_redis(h), opened=logged > 0)[0]
         events = [Event(seq=i, event=EventKind.chunk, data=c) for i, c in enumerate(chunks, logged + 1)]
         events.append(Event(seq=logged + len(events) + 1, event=EventKind.done))
         # Sent only if the script finds the job queued (a running one's worker sends its own at its end); built
@@ -285,7 +285,7 @@ class JobStore:
         if job.result:
             obj = dict(job.result)
         elif job.status is JobStatus.cancelled:
-            obj = never_ran(job)[1]
+            obj = cancelled_while_queued(job)[1]
         else:
             obj = {
                 "id": job.id,

@@ -66,7 +66,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
     response_id = "resp_" + (sub.request_id or uuid.uuid4().hex)
     items = responses.input_items(body, response_id)
     chat, names = responses.chat_request(body, context, items)
-    with names.told():
+    with names.renaming_errors():
         prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
     stored = {"request": body.echo(), "input": items, "context": context}
     job, _, created = await svc.store.submit(

@@ -78,7 +78,10 @@ def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
     }
 
 
-class ChatChunks:
+class ChatFormatter:
+    """One chat job's OpenAI objects: its stream chunks (`chat.completion.chunk`), and its final choices and object
+    (`chat.completion`)."""
+
     object = "chat.completion"
 
     def __init__(self, completion_id: str, created: int, model: str, role: str):
@@ -155,29 +158,29 @@ class ChatChunks:
         return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
 
 
-def shapes_of(job: Job) -> ChatChunks:
-    """The chunk shapes of the job's kind: chat, or legacy text completions."""
+def formatter_for(job: Job) -> ChatFormatter:
+    """The formatter of the job's kind: chat, or legacy text completions."""
     if isinstance(job.request, ChatCompletionRequest):
-        return ChatChunks(job.id, job.created, job.model, job.request.response_role)
-    return TextChunks(job.id, job.created, job.model)
+        return ChatFormatter(job.id, job.created, job.model, job.request.response_role)
+    return TextFormatter(job.id, job.created, job.model)
 
 
-def never_ran(job: Job, opened: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The stream chunks and the final object of a job cancelled before any worker ran it: each choice opens and
+def cancelled_while_queued(job: Job, opened: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The stream chunks and the final object of a job cancelled while it was queued: each choice opens and
     ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
     no answer (a non-streamed one reading `choices[0]` finds it). `opened`: an earlier attempt's stream opened the
     choices already (the job waits for another worker to continue it)."""
-    req, shapes = job.request, shapes_of(job)
+    req, formatter = job.request, formatter_for(job)
     stream = []
     for i in range(req.n):
-        first = None if opened else shapes.start(i)
+        first = None if opened else formatter.start(i)
         stream += [first] if first is not None else []
-        stream.append(shapes.chunk(i, {}, None, "abort", None))
-    choices = [shapes.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
-    return stream, shapes.final(choices, usage(len(job.prompt_ids), 0))
+        stream.append(formatter.chunk(i, {}, None, "abort", None))
+    choices = [formatter.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
+    return stream, formatter.final(choices, usage(len(job.prompt_ids), 0))
 
 
-class TextChunks(ChatChunks):
+class TextFormatter(ChatFormatter):
     """Legacy /v1/completions: the same events, shaped as `text_completion` objects."""
 
     object = "text_completion"

@@ -277,7 +277,7 @@ def chat_request(
         fields["tool_choice"] = NamedToolChoice(function={"name": req.tool_choice.name})
     else:
         fields["tool_choice"] = req.tool_choice
-    with names.told():
+    with names.renaming_errors():
         try:
             return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None}), names
         except ValidationError as e:  # what the Responses fields allow but a chat request does not
@@ -303,7 +303,7 @@ class Names:
     context: int  # how many of the conversation's items an earlier response gave
 
     @contextmanager
-    def told(self) -> Iterator[None]:
+    def renaming_errors(self) -> Iterator[None]:
         try:
             yield
         except BadRequest as e:

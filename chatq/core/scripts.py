@@ -158,10 +158,10 @@ local function extend(key, ttl)
 end
 """)
 
-# Pushes a background job's webhook messages (chatq.core.webhooks.WebhookMessages.block, "" for none) onto the webhook queue,
+# Pushes a background job's webhook messages (webhooks.WebhookMessages.block, "" for none) onto the webhook queue,
 # in the script that ends the job, so no end is lost between it and its webhook. The job's kind and its status
 # complete each message; a job whose request is not a background one sends none. A response whose text ran out of
-# tokens ended `incomplete`, as its Response says (chatq.core.response_object.status_of). The queue is named in the block,
+# tokens ended `incomplete`, as its Response says (response_object.status_of). The queue is named in the block,
 # not in KEYS, which Redis Cluster forbids (as the cancel script's completed prefixes).
 _PUSH_WEBHOOKS = LuaFunction("""
 local function push_webhooks(block, job, status)

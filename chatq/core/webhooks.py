@@ -66,7 +66,7 @@ def make_webhook_celery(settings: Settings) -> Celery:
     return app
 
 
-class Outbox:
+class WebhookMessages:
     """The webhook messages of a job's end, for the script that ends the job to push if it ends a background job."""
 
     def __init__(self, app: Celery, urls: list[str]):
@@ -74,7 +74,7 @@ class Outbox:
         self.urls = urls
 
     @classmethod
-    def of(cls, settings: Settings) -> Outbox | None:
+    def of(cls, settings: Settings) -> WebhookMessages | None:
         """None without webhook URLs: the scripts then push nothing."""
         urls = settings.webhook_url_list
         return cls(make_webhook_celery(settings), urls) if urls else None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import collector, keys, logs, registry, scripts, telemetry
+from chatq.core import gc_tuning, keys, logs, registry, scripts, telemetry
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
@@ -88,7 +88,7 @@ def _load(sender=None, **_kwargs) -> None:
 @signals.worker_ready.connect
 def _ready(sender=None, **_kwargs) -> None:
     assert _state is not None
-    collector.settle()
+    gc_tuning.settle()
     threading.Thread(target=_heartbeat, args=(_state,), name="chatq-heartbeat", daemon=True).start()
 
 

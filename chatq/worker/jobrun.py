@@ -25,7 +25,7 @@ from chatq.core.settings import Settings
 from chatq.worker.detokenize import TextStream
 from chatq.worker.engine import Finish, Output, Sequence
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarState
-from chatq.worker.parse import Message, Parser
+from chatq.worker.parse import JoinedDeltas, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
 from chatq.worker.timing import JobClock
@@ -43,7 +43,7 @@ class Choice:
     seq: Sequence
     text: TextStream
     parser: Parser
-    message: Message = field(default_factory=Message)
+    message: JoinedDeltas = field(default_factory=JoinedDeltas)
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
     reasoning_tokens: int = 0
@@ -141,13 +141,13 @@ class JobRun:
             )
             self.choices.append(Choice(i, seq, text, parser, grammar=self.plan.grammar if parser.thinking else None))
 
-    def _shapes(self) -> tuple[chunks.ChatChunks, str, bool]:
+    def _shapes(self) -> tuple[chunks.ChatFormatter, str, bool]:
         """The job's chunk shapes, the text it echoes, and whether reasoning is shown."""
         job, req = self.job, self.job.request
         if isinstance(req, ChatCompletionRequest):
             last = req.messages[-1]
             echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
-            return chunks.shapes_of(job), echo, req.include_reasoning
+            return chunks.formatter_for(job), echo, req.include_reasoning
         # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
         if not req.echo:
             echo = ""
@@ -155,7 +155,7 @@ class JobRun:
             echo = req.prompt
         else:
             echo = self.decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
-        return chunks.shapes_of(job), echo, True
+        return chunks.formatter_for(job), echo, True
 
     @property
     def finished(self) -> bool:

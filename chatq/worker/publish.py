@@ -25,7 +25,7 @@ from chatq.core.redis_url import sync_client
 from chatq.core.replicas import ReplicaWait
 from chatq.core.retry import Retry, transient
 from chatq.core.settings import Settings
-from chatq.core.webhooks import Outbox as WebhookOutbox
+from chatq.core.webhooks import WebhookMessages
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Publisher:
         self.cancels = keys.cancels(worker)
         self._refused: set[str] = set()  # event logs already reported as unwritable
         self.replicas = ReplicaWait.of(settings)
-        self.webhooks = WebhookOutbox.of(settings)
+        self.webhooks = WebhookMessages.of(settings)
 
     def flush(self, writes: StepWrites) -> Written:
         """Sends one step's writes."""

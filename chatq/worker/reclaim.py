@@ -14,7 +14,7 @@ from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.errors import WorkerLost
 from chatq.core.queue import task_message
 from chatq.core.settings import Settings
-from chatq.core.webhooks import Outbox as WebhookOutbox
+from chatq.core.webhooks import WebhookMessages
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Sett
     error = WorkerLost(settings.max_attempts).body()
     how = scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
     # A job that ran out of attempts fails in the reclaim's script, which sends its webhooks then.
-    if (webhooks := WebhookOutbox.of(settings)) is not None:
+    if (webhooks := WebhookMessages.of(settings)) is not None:
         how.webhook = webhooks.block(job_id)
     return how
 

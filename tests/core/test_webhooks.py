@@ -18,17 +18,17 @@ from chatq.core import keys, scripts
 from chatq.core.job import Event, EventKind
 from chatq.core.queue import make_celery, task_message
 from chatq.core.settings import Settings
-from chatq.core.webhooks import WEBHOOK_TASK, Outbox, event_type
+from chatq.core.webhooks import WEBHOOK_TASK, WebhookMessages, event_type
 
 SECRET = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
 URLS = ["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"]
 
 
 @pytest.fixture
-def outbox(settings: Settings, r: redis.Redis) -> Outbox:
+def outbox(settings: Settings, r: redis.Redis) -> WebhookMessages:
     r.delete(keys.webhook_queue())
     hooked = settings.model_copy(update={"webhook_urls": ",".join(URLS), "webhook_secret": pydantic.SecretStr(SECRET)})
-    made = Outbox.of(hooked)
+    made = WebhookMessages.of(hooked)
     assert made is not None
     return made
 
@@ -64,7 +64,7 @@ def end(r: redis.Redis, job_id: str, status: str, webhook: str, worker: str = "w
     pipe.execute()
 
 
-def test_a_background_jobs_end_pushes_one_delivery_per_url_once(r: redis.Redis, outbox: Outbox) -> None:
+def test_a_background_jobs_end_pushes_one_delivery_per_url_once(r: redis.Redis, outbox: WebhookMessages) -> None:
     job_id = job(r, "in_progress")
     before = int(time.time())
     end(r, job_id, "completed", outbox.block(job_id))
@@ -78,7 +78,7 @@ def test_a_background_jobs_end_pushes_one_delivery_per_url_once(r: redis.Redis, 
     assert all(before <= args[3] <= time.time() for _, args in got)
 
 
-def test_interactive_and_deleted_jobs_push_none(r: redis.Redis, outbox: Outbox) -> None:
+def test_interactive_and_deleted_jobs_push_none(r: redis.Redis, outbox: WebhookMessages) -> None:
     interactive = job(r, "in_progress", background=False)
     end(r, interactive, "completed", outbox.block(interactive))
     deleted = job(r, "in_progress")
@@ -90,7 +90,7 @@ def test_interactive_and_deleted_jobs_push_none(r: redis.Redis, outbox: Outbox) 
 
 
 async def test_a_queued_job_cancelled_pushes_its_cancelled_delivery(
-    r: redis.Redis, client: aioredis.Redis, outbox: Outbox
+    r: redis.Redis, client: aioredis.Redis, outbox: WebhookMessages
 ) -> None:
     closing = [Event(seq=1, event=EventKind.done)]
     cancelled, deleted, running = job(r, "queued", kind="text"), job(r, "queued"), job(r, "in_progress")
@@ -104,7 +104,7 @@ async def test_a_queued_job_cancelled_pushes_its_cancelled_delivery(
 
 
 def test_a_job_failed_by_the_reclaim_pushes_its_failed_delivery(
-    r: redis.Redis, outbox: Outbox, settings: Settings
+    r: redis.Redis, outbox: WebhookMessages, settings: Settings
 ) -> None:
     job_id = job(r, "in_progress", worker="w@dead#1")
     queue, message = task_message(make_celery(settings), job_id, keys.celery_queue("m"), 0)
@@ -133,4 +133,4 @@ def test_webhook_urls_need_a_secret() -> None:
         Settings(webhook_urls="http://127.0.0.1/hooks")
     settings = Settings(webhook_urls=" http://a/h , http://b/h,", webhook_secret=SECRET)
     assert settings.webhook_url_list == ["http://a/h", "http://b/h"] and SECRET not in repr(settings)
-    assert Outbox.of(Settings()) is None
+    assert WebhookMessages.of(Settings()) is None

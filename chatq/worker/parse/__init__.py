@@ -37,7 +37,7 @@ class ContentParser(Parser):
 
 
 @dataclass
-class Message:
+class JoinedDeltas:
     """One choice's deltas so far, joined field by field: what its final message is made of.
 
     The text is kept as strings, which the cyclic garbage collector never walks, not as a Delta per token: with many
