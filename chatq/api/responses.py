@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: /v1/responses, each response a chat job of kind `response` (chatq.core.responses)."""
+"""OpenAI's Responses API: /v1/responses, each response a chat job of kind `response`. Its request, Response object
+and stream events are chatq.core's responses_request, response_object and response_events."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from chatq.api.routes import (
     valid_json,
 )
 from chatq.api.sse import EventStream, event_stream
-from chatq.core import responses, telemetry
+from chatq.core import telemetry
 from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
 from chatq.core.job import Job, JobStatus
-from chatq.core.responses import ResponseEvents, ResponsesRequest
+from chatq.core.response_events import ResponseEvents
+from chatq.core.response_object import output_items, response_error, response_object
+from chatq.core.responses_request import ResponsesRequest, chat_request, input_items
 
 router = APIRouter(route_class=JSONRoute, dependencies=[Depends(authenticate), Depends(valid_json)])
 
@@ -52,7 +55,7 @@ async def _history(svc: Service, body: ResponsesRequest, owner: str) -> list[dic
             f"Previous response '{prev.id}' has not finished; it is {prev.status.value}.", "previous_response_id"
         )
     stored = prev.response or {}
-    output = responses.output_items(prev.id, prev.result)
+    output = output_items(prev.id, prev.result)
     return [*stored.get("context", []), *stored.get("input", []), *output]
 
 
@@ -64,8 +67,8 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
     context = await _history(svc, body, sub.owner)
     # The id is chosen here, so the input items' ids can carry it.
     response_id = "resp_" + (sub.request_id or uuid.uuid4().hex)
-    items = responses.input_items(body, response_id)
-    chat, names = responses.chat_request(body, context, items)
+    items = input_items(body, response_id)
+    chat, names = chat_request(body, context, items)
     with names.renaming_errors():
         prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
     stored = {"request": body.echo(), "input": items, "context": context}
@@ -90,12 +93,12 @@ async def _answer(svc: Service, body: ResponsesRequest, job: Job, request: Reque
         on_disconnect = (lambda: svc.store.cancel_soon(job.id)) if cancels else None
         return _stream(svc, job, -1, on_disconnect)
     if body.background:
-        return JSONResponse(responses.response_object(job))
+        return JSONResponse(response_object(job))
     await done_or_disconnected(svc, job.id, request, cancels)
     job = await svc.store.get(job.id)
     if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
         return job_error_response(job.error)  # the request's fault, answered as chat's is
-    return JSONResponse(responses.response_object(job))
+    return JSONResponse(response_object(job))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -108,14 +111,14 @@ async def get_response(
 ) -> Any:
     job = await _get(svc, response_id, owner)
     if not stream:
-        return responses.response_object(job)
+        return response_object(job)
     return _stream(svc, job, -1 if starting_after is None else starting_after)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, svc: Svc, owner: Owner) -> Any:
     await _get(svc, response_id, owner)
-    return responses.response_object(await cancel_job(svc, response_id, owner))
+    return response_object(await cancel_job(svc, response_id, owner))
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -155,7 +158,7 @@ def _stream(svc: Service, job: Job, after: int, on_disconnect: Callable[[], None
     events = ResponseEvents(job.id)
 
     def failure() -> bytes:
-        error = responses.response_error(RelayFailed().body()["error"])
+        error = response_error(RelayFailed().body()["error"])
         return _sse([{"type": "error", "sequence_number": events.seq + 1, **error}], after)
 
     frames = _frames(svc, job, events, after)
@@ -176,7 +179,7 @@ async def _frames(svc: Service, job: Job, events: ResponseEvents, after: int) ->
     background = ((job.response or {}).get("request") or {}).get("background")
     status = JobStatus.queued if background else JobStatus.in_progress
     opening = job.model_copy(update={"status": status, "result": None, "error": None})
-    snapshot = responses.response_object(opening)
+    snapshot = response_object(opening)
     if frame := _sse(events.opening(snapshot), after):
         yield frame
     snapshot["status"] = "in_progress"
@@ -191,6 +194,6 @@ async def _frames(svc: Service, job: Job, events: ResponseEvents, after: int) ->
 async def _final(svc: Service, job: Job, snapshot: dict[str, Any]) -> dict[str, Any]:
     """The Response as its job ended; failed, if its record is gone (deleted or expired while streamed)."""
     try:
-        return responses.response_object(await svc.store.get(job.id))
+        return response_object(await svc.store.get(job.id))
     except JobNotFound:
-        return {**snapshot, "status": "failed", "error": responses.response_error(JobGone().body()["error"])}
+        return {**snapshot, "status": "failed", "error": response_error(JobGone().body()["error"])}

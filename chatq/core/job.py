@@ -44,7 +44,7 @@ class Job(BaseModel):
     # The W3C trace context of the request that submitted the job ("" for none): the worker's spans continue it.
     traceparent: str = ""
     tracestate: str = ""
-    # A response's own fields (chatq.core.responses): its echoed request, its input items and the earlier items
+    # A response's own fields (chatq.core.response_object): its echoed request, its input items and the earlier items
     # its conversation starts with.
     response: dict[str, Any] | None = None
     # When the job ended (unix seconds), as its worker wrote it; read only.

@@ -1,41 +1,19 @@
-"""OpenAI's Responses API on the chat job: the request, its conversion into the chat request the job runs, the
-Response object made from the job's record, and the typed stream events made from the job's chat chunks.
-
-The job's log holds chat chunks, as every chat job's does: a worker taking it over replays them the same, and the
-events here are a pure function of that log, so their sequence numbers are the same from any API replica."""
+"""OpenAI's Responses API request, and the chat request a response's job runs: its input items as chat messages,
+its fields as the chat fields, and the chat request's errors told in the Responses request's names."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, NamedToolChoice
-
-# The echoed request fields of a Response, with OpenAI's defaults for those left out.
-ECHO_DEFAULTS: dict[str, Any] = {
-    "instructions": None,
-    "max_output_tokens": None,
-    "metadata": {},
-    "parallel_tool_calls": True,
-    "previous_response_id": None,
-    "reasoning": {"effort": None, "summary": None},
-    "store": True,
-    "temperature": None,
-    "text": {"format": {"type": "text"}},
-    "tool_choice": "auto",
-    "tools": [],
-    "top_p": None,
-    "user": None,
-    "background": False,
-}
-
+from chatq.core.response_object import ECHO_DEFAULTS, id_suffix
 
 # What `include` may name that a chatq Response never holds (the outputs of built-in tools, images): nothing to add.
 NOTHING_TO_INCLUDE = {
@@ -143,13 +121,10 @@ class ResponsesRequest(_Strict):
         return {k: given.get(k, default) for k, default in ECHO_DEFAULTS.items()}
 
 
-# --- input items -> chat messages ---------------------------------------------------------------------------
-
-
 def input_items(req: ResponsesRequest, response_id: str) -> list[dict[str, Any]]:
     """The request's input as items, each with an id (a string input is one user message)."""
     raw = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    return [_item(item, f"input[{i}]", f"{_suffix(response_id)}_{i}") for i, item in enumerate(raw)]
+    return [_item(item, f"input[{i}]", f"{id_suffix(response_id)}_{i}") for i, item in enumerate(raw)]
 
 
 def _item(item: dict[str, Any], where: str, suffix: str) -> dict[str, Any]:
@@ -351,244 +326,3 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
             raise BadRequest(f"Missing required parameter: 'text.format.{name}'.", f"text.format.{name}")
     schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}
     return {"type": "json_schema", "json_schema": schema}
-
-
-# --- the Response object --------------------------------------------------------------------------------------
-
-
-def _suffix(response_id: str) -> str:
-    return response_id.removeprefix("resp_")
-
-
-def message_id(response_id: str) -> str:
-    return f"msg_{_suffix(response_id)}"
-
-
-def reasoning_id(response_id: str) -> str:
-    return f"rs_{_suffix(response_id)}"
-
-
-def call_item_id(call_id: str) -> str:
-    return "fc_" + call_id.rsplit("-", 1)[-1]
-
-
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
-
-
-def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": call_item_id(call_id),
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def output_items(response_id: str, result: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The output items of a job's chat result: its reasoning, its text, its tool calls, in the order streamed."""
-    if not result or not result.get("choices"):
-        return []
-    message = result["choices"][0].get("message") or {}
-    out = []
-    if message.get("reasoning"):
-        out.append(reasoning_item(reasoning_id(response_id), message["reasoning"]))
-    if message.get("content"):
-        status = item_status(result["choices"][0].get("finish_reason"))
-        out.append(message_item(message_id(response_id), message["content"], status))
-    for call in message.get("tool_calls") or []:
-        out.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
-    return out
-
-
-def item_status(finish_reason: str | None) -> str:
-    """A message item's status once its choice ended: a text cut short (by max_output_tokens, a cancel or a failure)
-    is `incomplete`."""
-    return "completed" if finish_reason in ("stop", "tool_calls") else "incomplete"
-
-
-def _usage(job: Job) -> dict[str, Any]:
-    chat = (job.result or {}).get("usage") or {}
-    prompt = chat.get("prompt_tokens", len(job.prompt_ids))
-    completion = chat.get("completion_tokens", job.completion_tokens)
-    reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": prompt + completion,
-    }
-
-
-def status_of(job: Job) -> str:
-    """The Response's status: a completed job whose text ran out of tokens is `incomplete`."""
-    if job.status is JobStatus.completed and _finish_reason(job) == "length":
-        return "incomplete"
-    return job.status.value
-
-
-def _finish_reason(job: Job) -> str | None:
-    choices = (job.result or {}).get("choices") or [{}]
-    return choices[0].get("finish_reason")
-
-
-def response_error(error: dict[str, Any]) -> dict[str, Any]:
-    """A chat error object as a Response's `error`, coded as OpenAI codes them: the request's own fault is an
-    `invalid_prompt`, anything else a `server_error`."""
-    code = "invalid_prompt" if error.get("type") == "BadRequestError" else "server_error"
-    return {"code": code, "message": error.get("message", "")}
-
-
-def response_object(job: Job) -> dict[str, Any]:
-    """The Response a job is, as GET returns it."""
-    stored = job.response or {}
-    status = status_of(job)
-    error = response_error(job.error) if job.error else None
-    return {
-        "id": job.id,
-        "object": "response",
-        "created_at": job.created,
-        "completed_at": int(job.finished) if status == "completed" and job.finished else None,
-        "status": status,
-        "model": job.model,
-        "output": output_items(job.id, job.result),
-        "usage": _usage(job) if job.status.finished else None,
-        "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        **(stored.get("request") or ECHO_DEFAULTS),
-    }
-
-
-# --- chat chunks -> typed stream events ----------------------------------------------------------------------
-
-TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
-
-
-@dataclass
-class _Open:
-    """The output item the stream has open."""
-
-    index: int
-    item: dict[str, Any]
-    text: str = ""
-
-
-@dataclass
-class ResponseEvents:
-    """Turns a response job's events, in order, into the Responses stream's events, numbered from 0."""
-
-    response_id: str
-    seq: int = -1
-    started: bool = False
-    ended: bool = False
-    outputs: int = 0
-    current: _Open | None = None
-    calls: dict[int, _Open] = field(default_factory=dict)  # the chat tool call index -> its item
-
-    def _ev(self, kind: str, **data: Any) -> dict[str, Any]:
-        self.seq += 1
-        return {"type": kind, "sequence_number": self.seq, **data}
-
-    def opening(self, response: dict[str, Any]) -> list[dict[str, Any]]:
-        return [self._ev("response.created", response=response)]
-
-    def feed(self, event: Event, snapshot: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events for one of the job's events; `ended` is set at its `done` (then `terminal` follows)."""
-        if event.event is EventKind.done:
-            self.ended = True
-            return self._close(item_status(None))
-        if event.event is EventKind.error or not event.data or not event.data.get("choices"):
-            return []
-        out = [] if self.started else [self._ev("response.in_progress", response=snapshot)]
-        self.started = True
-        choice = event.data["choices"][0]
-        out += self._delta(choice.get("delta") or {})
-        if choice.get("finish_reason") is not None:
-            out += self._close(item_status(choice["finish_reason"]))
-        return out
-
-    def terminal(self, response: dict[str, Any]) -> list[dict[str, Any]]:
-        # No cancelled event exists in OpenAI's stream: a cancelled response ends as an incomplete one would.
-        return [self._ev(TERMINAL.get(response["status"], "response.incomplete"), response=response)]
-
-    def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        out = []
-        if delta.get("reasoning"):
-            out += self._text("reasoning", reasoning_id(self.response_id), delta["reasoning"])
-        if delta.get("content"):
-            out += self._text("message", message_id(self.response_id), delta["content"])
-        for call in delta.get("tool_calls") or []:
-            out += self._call(call)
-        return out
-
-    def _open(self, item: dict[str, Any]) -> tuple[_Open, list[dict[str, Any]]]:
-        out = self._close()
-        self.current = _Open(self.outputs, item)
-        self.outputs += 1
-        return self.current, [*out, self._ev("response.output_item.added", output_index=self.current.index, item=item)]
-
-    def _text(self, kind: str, item_id: str, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        cur = self.current
-        if cur is None or cur.item["id"] != item_id:
-            item = message_item(item_id, "", "in_progress") if kind == "message" else reasoning_item(item_id, "")
-            item["content"] = []
-            cur, out = self._open(item)
-            out.append(self._part("response.content_part.added", cur, ""))
-        cur.text += text
-        where = {"item_id": item_id, "output_index": cur.index, "content_index": 0}
-        if kind == "message":
-            return [*out, self._ev("response.output_text.delta", **where, delta=text, logprobs=[])]
-        return [*out, self._ev("response.reasoning_text.delta", **where, delta=text)]
-
-    def _part(self, kind: str, cur: _Open, text: str) -> dict[str, Any]:
-        if cur.item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        else:
-            part = {"type": "reasoning_text", "text": text}
-        return self._ev(kind, item_id=cur.item["id"], output_index=cur.index, content_index=0, part=part)
-
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        fn = call.get("function") or {}
-        if call.get("id") is not None:
-            opened, out = self._open(call_item(call["id"], fn.get("name") or "", "", "in_progress"))
-            self.calls[call["index"]] = opened
-        target = self.calls.get(call["index"]) or self.current
-        if target is None or not fn.get("arguments"):
-            return out
-        target.text += fn["arguments"]
-        where = {"item_id": target.item["id"], "output_index": target.index}
-        return [*out, self._ev("response.function_call_arguments.delta", **where, delta=fn["arguments"])]
-
-    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
-        cur, self.current = self.current, None
-        if cur is None:
-            return []
-        item, where = cur.item, {"item_id": cur.item["id"], "output_index": cur.index}
-        if item["type"] == "function_call":
-            done = call_item(item["call_id"], item["name"], cur.text)
-            closing = [
-                self._ev("response.function_call_arguments.done", **where, name=item["name"], arguments=cur.text)
-            ]
-        elif item["type"] == "message":
-            done = message_item(item["id"], cur.text, status)
-            closing = [
-                self._ev("response.output_text.done", **where, content_index=0, text=cur.text, logprobs=[]),
-                self._part("response.content_part.done", cur, cur.text),
-            ]
-        else:
-            done = reasoning_item(item["id"], cur.text)
-            closing = [
-                self._ev("response.reasoning_text.done", **where, content_index=0, text=cur.text),
-                self._part("response.content_part.done", cur, cur.text),
-            ]
-        return [*closing, self._ev("response.output_item.done", output_index=cur.index, item=done)]
