@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import orjson
+from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
@@ -182,6 +183,11 @@ class Range:
     def check(self, value: Any, param: str) -> None:
         if not _within(value, self.bounds):
             raise BadRequest(self.message, param)
+
+    def interval(self) -> Interval:
+        """The bounds as a constraint pydantic validates, for a model that refuses a value outside them itself."""
+        b = self.bounds
+        return Interval(ge=b.get("minimum"), le=b.get("maximum"), gt=b.get("exclusiveMinimum"))
 
 
 def _within(value: Any, bounds: dict[str, Any]) -> bool:
@@ -516,6 +522,13 @@ class ChatCompletionRequest(GenerationRequest):
     def response_role(self) -> str:
         # vLLM answers in the last message's role when no generation prompt opens an assistant turn.
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+
+def chat_range(name: str) -> Range:
+    """The range of a chat request's field."""
+    allowed = ChatCompletionRequest.model_fields[name].json_schema_extra
+    assert isinstance(allowed, Range), name
+    return allowed
 
 
 class CompletionRequest(GenerationRequest):

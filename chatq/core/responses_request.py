@@ -7,12 +7,12 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.requests import ChatCompletionRequest, NamedToolChoice
+from chatq.core.requests import ChatCompletionRequest, NamedToolChoice, chat_range
 from chatq.core.response_object import ECHO_DEFAULTS, id_suffix
 
 # What `include` may name that a chatq Response never holds (the outputs of built-in tools, images): nothing to add.
@@ -66,9 +66,10 @@ class ResponsesRequest(_Strict):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     model: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # The chat fields' ranges: the chat request the job runs checks them again.
+    max_output_tokens: Annotated[int | None, chat_range("max_completion_tokens").interval()] = None
+    temperature: Annotated[float | None, chat_range("temperature").interval()] = None
+    top_p: Annotated[float | None, chat_range("top_p").interval()] = None
     stream: bool = False
     background: bool = False
     store: bool = True
