@@ -205,6 +205,7 @@ def bounded(default: Any, allowed: Range) -> Any:
 
 
 def token_limit(param: str) -> Range:
+    """The range of max_tokens and max_completion_tokens, with `param` named in its message."""
     return Range(f"{param} must be at least 1", minimum=1)
 
 

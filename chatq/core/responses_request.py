@@ -280,6 +280,7 @@ class Names:
 
     @contextmanager
     def renaming_errors(self) -> Iterator[None]:
+        """A BadRequest raised inside is raised again with its message and param in the Responses names."""
         try:
             yield
         except BadRequest as e:
