@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check (docs/performance.md#gpu) as one call of at most seven minutes, so that a session's fifteen minutes
-# of device time leave room to start a machine again and rerun the engine after a fix: chatq's engine first, then
-# transformers' baseline (../shared/bench/hf_baseline.py, copied to shared/bench/ so that it travels) for the time
-# left. Each script writes its results under $OUT as it goes, so a run cut short still returns what it measured.
+# The GPU check (docs/performance.md#on-a-gpu) as one call of at most seven minutes, so that a short lease of a GPU
+# machine leaves room to start one again and rerun the engine after a fix: chatq's engine first, then transformers'
+# baseline (bench/hf_baseline.py) for the time left. Each script writes its results under $OUT as it goes, so a run
+# cut short still returns what it measured.
 #
-#     bash bench/gpu.sh [BASELINE]     # BASELINE defaults to shared/bench/hf_baseline.py
+#     bash bench/gpu.sh [BASELINE]     # BASELINE defaults to bench/hf_baseline.py
 #     ENGINE_S=300 BASELINE_S=120      # each script's limit in seconds; BASELINE_S=0 runs the engine alone
 set -u
-baseline=${1:-shared/bench/hf_baseline.py}
+baseline=${1:-bench/hf_baseline.py}
 engine_s=${ENGINE_S:-300}
 baseline_s=${BASELINE_S:-120}
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

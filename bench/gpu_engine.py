@@ -1,4 +1,4 @@
-"""The engine alone on random-weight models shaped like the anchors (../shared/bench/hf_baseline.py builds the same).
+"""The engine alone on random-weight models shaped like the anchors (bench/hf_baseline.py builds the same).
 
 Load: 256 requests, prompts of 64-512 random tokens, 256 new tokens each, greedy, no EOS; all submitted at once,
 continuous batching decides the rest. Prints a table and writes engine_results.json to $OUT (or /tmp/out).
