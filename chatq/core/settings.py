@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CHATQ_", extra="ignore")
 
     # Empty: `chatq up` starts an embedded redis-server and fills this in for its children. redis://, rediss://,
-    # unix://, or sentinel://host1,host2,host3/<master>[/<db>] for Redis Sentinel (docs/operations.md).
+    # unix://, or sentinel://host1,host2,host3/<master>[/<db>] for Redis Sentinel (docs/deploying.md).
     redis_url: str = ""
     # Replicas a job's submit, and each step a worker writes, waits to have it (Redis' WAIT), so a failover loses none
     # of it; unset: 1 with a sentinel:// URL, else 0.

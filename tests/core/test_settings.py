@@ -74,6 +74,6 @@ def test_every_setting_is_documented_with_its_default():
             assert (f"`{default}`" if default != "" else "empty") in rows[0].split("|")[2], variable
 
 
-def test_the_operations_guide_names_every_setting():
-    guide = (ROOT / "docs" / "operations.md").read_text()
+def test_the_deploying_guide_names_every_setting():
+    guide = (ROOT / "docs" / "deploying.md").read_text()
     assert [n for n in Settings.model_fields if f"`CHATQ_{n.upper()}`" not in guide] == []
