@@ -134,7 +134,7 @@ LAYOUT = (
         (metrics("{model}"),),
         "hash",
         "finished jobs' metrics, read by `/metrics`: per-bucket histogram counters, sums, counts, token totals, "
-        "`success:{finished_reason}` ([metrics](operations.md#metrics))",
+        "`success:{finished_reason}` ([metrics](observing.md#metrics))",
     ),
     Entry(
         (celery_queue("{model}"), celery_queue("{model}") + _LANE_SEP + "{lane}"),
