@@ -1,4 +1,5 @@
-"""Token ids -> text, one token at a time, with stop strings.
+"""The detokenize stage: token ids -> text, one token at a time, with stop strings (TextStream); and each token's own
+text and bytes, for its logprob entries (Decoder).
 
 tokenizers' DecodeStream keeps multi-byte characters and word-leading spaces whole across tokens. It starts from
 the prompt's last tokens, as vLLM's does, so a SentencePiece tokenizer keeps the first word's space. Text that
@@ -7,13 +8,22 @@ could still become a stop string is held back: no part of one reaches a delta.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from chatq.core.chunks import TokenInfo
 
 PROMPT_CONTEXT = 5  # prompt tokens the decoder starts from (vLLM's initial offset)
+
+# A byte-level BPE vocab spells each byte as one printable character (GPT-2's table).
+BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -81,3 +91,31 @@ class TextStream:
                     longest = n
                     break
         return longest
+
+
+class Decoder:
+    """Token ids -> strings and bytes for logprob entries, cached: the same few thousand ids come back all the time."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.token = lru_cache(maxsize=65536)(self._token)
+        self.raw = lru_cache(maxsize=65536)(self._raw)
+        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _raw(self, token_id: int) -> list[int] | None:
+        """The bytes of a token that holds part of a character (None for the others: their text's UTF-8)."""
+        if "\ufffd" not in self.token(token_id):
+            return None
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if self.byte_level and all(c in BYTE_OF for c in piece):
+            return [BYTE_OF[c] for c in piece]
+        if fallback := BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's <0xE2>
+            return [int(fallback[1], 16)]
+        return None
+
+    def info(self, token_id: int, logprob, top, offset: int) -> TokenInfo:
+        tops = [(self.token(t), lp, self.raw(t)) for t, lp in top]
+        return TokenInfo(self.token(token_id), logprob, tops, offset, self.raw(token_id))

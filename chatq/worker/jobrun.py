@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
-
-from tokenizers import Tokenizer, decoders
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from chatq.core import chunks, logs
 from chatq.core.chunks import TokenInfo
@@ -22,7 +17,7 @@ from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
 from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
-from chatq.worker.detokenize import TextStream
+from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarState
 from chatq.worker.parse import JoinedDeltas, Parser
@@ -31,10 +26,6 @@ from chatq.worker.publish import JobEnd
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
-
-# A byte-level BPE vocab spells each byte as one printable character (GPT-2's table).
-BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
-BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -51,34 +42,6 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
-
-
-class Decoder:
-    """Token ids -> strings and bytes for logprob entries, cached: the same few thousand ids come back all the time."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.token = lru_cache(maxsize=65536)(self._token)
-        self.raw = lru_cache(maxsize=65536)(self._raw)
-        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
-
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _raw(self, token_id: int) -> list[int] | None:
-        """The bytes of a token that holds part of a character (None for the others: their text's UTF-8)."""
-        if "\ufffd" not in self.token(token_id):
-            return None
-        piece = self.tokenizer.id_to_token(token_id) or ""
-        if self.byte_level and all(c in BYTE_OF for c in piece):
-            return [BYTE_OF[c] for c in piece]
-        if fallback := BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's <0xE2>
-            return [int(fallback[1], 16)]
-        return None
-
-    def info(self, token_id: int, logprob, top, offset: int) -> TokenInfo:
-        tops = [(self.token(t), lp, self.raw(t)) for t, lp in top]
-        return TokenInfo(self.token(token_id), logprob, tops, offset, self.raw(token_id))
 
 
 class JobRun:

@@ -16,9 +16,10 @@ from chatq.core.errors import InternalError
 from chatq.core.job import Event, Job
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
+from chatq.worker.detokenize import Decoder
 from chatq.worker.engine import Engine, Output
 from chatq.worker.grammar import GrammarCompiler
-from chatq.worker.jobrun import Choice, Decoder, JobRun
+from chatq.worker.jobrun import Choice, JobRun
 from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
 from chatq.worker.timing import JobClock
 

@@ -8,9 +8,10 @@ from tokenizers import Tokenizer
 from chatq.core.job import EventKind, Job, JobStatus
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
+from chatq.worker.detokenize import Decoder
 from chatq.worker.engine import Finish, Output
 from chatq.worker.grammar import GrammarCompiler
-from chatq.worker.jobrun import Decoder, JobRun
+from chatq.worker.jobrun import JobRun
 from chatq.worker.sampler import TokenLogprob
 from tests.helpers import model_info
 

@@ -21,8 +21,9 @@ from chatq.core.job import JobStatus
 from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
 from chatq.worker import jobrun as jobrun_module
+from chatq.worker.detokenize import Decoder
 from chatq.worker.engine import Finish
-from chatq.worker.jobrun import Decoder, JobRun
+from chatq.worker.jobrun import JobRun
 from chatq.worker.publish import Publisher
 from chatq.worker.runner import Runner
 from tests.helpers import cancel_job, model_info
