@@ -21,3 +21,7 @@ class Delta:
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
+
+    def __add__(self, later: Delta) -> Delta:
+        """This delta followed by `later`, as one."""
+        return Delta(self.content + later.content, self.reasoning + later.reasoning, self.tool_calls + later.tool_calls)

@@ -287,8 +287,8 @@ class JobRun:
     def _closing(self, choice: Choice, delta: Delta) -> Delta:
         """What the choice's last output adds once it ends: text held back, and what the parser held."""
         if not isinstance(choice.stop_reason, str):  # no stop string: what was held back is plain text
-            delta = _merge(delta, choice.parser.feed(choice.text.flush()))
-        delta = _merge(delta, choice.parser.finish())
+            delta += choice.parser.feed(choice.text.flush())
+        delta += choice.parser.finish()
         made_calls = bool(choice.message.tool_calls or delta.tool_calls)
         if choice.finish_reason == "stop" and made_calls and not self.plan.named_tool:
             choice.finish_reason = "tool_calls"
@@ -343,7 +343,3 @@ class JobRun:
         return self.chunks.final_choice(
             c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
         )
-
-
-def _merge(a: Delta, b: Delta) -> Delta:
-    return Delta(a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls)
