@@ -5,7 +5,9 @@ plus at most `prefill_chunk` prompt tokens of newcomers, so streams keep flowing
 run out the newest sequence is preempted and recomputed later, so memory bounds the batch and a sequence without
 room waits rather than fails. See docs/engine.md.
 
-`add` and `cancel` may be called from any thread; `step` from one thread only.
+`add` and `cancel` may be called from any thread; `step` from one thread only. A Sequence's generation state is
+written here alone: `Sequence.take` takes each token in (the step's, and a resumed job's replay of those it had), and
+`Sequence.constrain` holds its output to a grammar, between steps on the thread that steps.
 """
 
 from __future__ import annotations
@@ -17,18 +19,16 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from chatq.core import logs
 from chatq.worker.blocks import BlockManager
 from chatq.worker.forward import Batch, KVCache, PagedForward
+from chatq.worker.grammar import Grammar, GrammarState
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
-
-if TYPE_CHECKING:
-    from chatq.worker.grammar import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,29 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def past_min_tokens(self) -> bool:
+        """Whether stops count yet: min_tokens holds off stop tokens and stop strings alike."""
+        return len(self.output_ids) > self.params.min_tokens
+
+    def take(self, token: int, max_len: int) -> Finish | None:
+        """Takes a sampled token in, through the grammar; how the sequence ends with it, if it does (`max_len`: the
+        model's context). Finish.error, the token left out, if the grammar rejects it."""
+        if self.grammar is not None and not self.grammar.accept(token):
+            return Finish.error
+        self.output_ids.append(token)
+        stop_token = token in self.params.stop_token_ids and self.past_min_tokens
+        if stop_token or (self.grammar is not None and self.grammar.is_terminated()):
+            return Finish.stop
+        if len(self.output_ids) >= self.params.max_tokens or len(self) >= max_len:
+            return Finish.length
+        return None
+
+    def constrain(self, grammar: Grammar) -> None:
+        """Holds the output to `grammar` from the next token on: before the sequence is added, or between steps on
+        the thread that steps, as a step masks its logits with it."""
+        self.grammar = GrammarState(grammar)
 
 
 @dataclass
@@ -402,17 +425,10 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int) -> tuple[Finish | None, str | None]:
         """Takes a sampled token into the sequence; returns how it ends, if it does, and why if it failed."""
-        if token < 0:
+        if token < 0:  # its sampling failed
             return Finish.error, seq.error
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            return Finish.error, "the grammar rejected a sampled token"
-        seq.output_ids.append(token)
-        stop_token = token in seq.params.stop_token_ids and len(seq.output_ids) > seq.params.min_tokens
-        if stop_token or (seq.grammar is not None and seq.grammar.is_terminated()):
-            return Finish.stop, None
-        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-            return Finish.length, None
-        return None, None
+        finish = seq.take(token, self.max_model_len)
+        return finish, "the grammar rejected a sampled token" if finish is Finish.error else None
 
     def _finish(self, seq: Sequence, finish: Finish, error: str | None = None) -> Output:
         self._release(seq)

@@ -19,7 +19,7 @@ from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
-from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarState
+from chatq.worker.grammar import Grammar, GrammarCompiler
 from chatq.worker.parse import JoinedDeltas, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
@@ -38,7 +38,7 @@ class Choice:
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
     reasoning_tokens: int = 0
-    grammar: Grammar | None = None  # constrains the output once the reasoning ends
+    grammar: Grammar | None = None  # the output's format, until its sequence takes it on once the reasoning ends
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
@@ -92,9 +92,6 @@ class JobRun:
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
             seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority)
-            parser = self.plan.make_parser()
-            if self.plan.grammar is not None and not parser.thinking:
-                seq.grammar = GrammarState(self.plan.grammar)
             text = TextStream(
                 self.decoder.tokenizer,
                 req.stop,
@@ -102,7 +99,9 @@ class JobRun:
                 skip_special_tokens=skip_special,
                 include_stop=req.include_stop_str_in_output,
             )
-            self.choices.append(Choice(i, seq, text, parser, grammar=self.plan.grammar if parser.thinking else None))
+            choice = Choice(i, seq, text, self.plan.make_parser(), grammar=self.plan.grammar)
+            self._constrain(choice)
+            self.choices.append(choice)
 
     def _shapes(self) -> tuple[chunks.ChatFormatter, str, bool]:
         """The job's chunk shapes, the text it echoes, and whether reasoning is shown."""
@@ -232,10 +231,9 @@ class JobRun:
     def _replay(self, choice: Choice, ids: list[int], finish_reason: str | None) -> None:
         seq = choice.seq
         for i, token in enumerate(ids):
-            # As the engine takes a sampled token in; the last one of a finished choice came with its finish.
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            seq.output_ids.append(token)
+            # Taken in as the engine took it. How the choice ended is the log's to say, not the sequence's: a stop
+            # string ends one the sequence would not have. The last token of a finished choice came with its finish.
+            seq.take(token, self.model.max_model_len)
             ended = finish_reason is not None and i == len(ids) - 1
             finish = (Finish.length if finish_reason == "length" else Finish.stop) if ended else None
             self.on_output(choice, Output(seq, token, finish))
@@ -256,18 +254,24 @@ class JobRun:
             offset = len(self.echo) + choice.text.decoded
             choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset))
         # min_tokens holds off stop strings as well as stop tokens.
-        piece = choice.text.add(out.token, check_stops=len(seq.output_ids) > seq.params.min_tokens)
+        piece = choice.text.add(out.token, check_stops=seq.past_min_tokens)
         thinking = choice.parser.thinking
         delta = choice.parser.feed(piece.text)
         # A token of the thought, not of its tags; one with no text yet (part of a character) counts too.
         if thinking and (delta.reasoning or not piece.text):
             choice.reasoning_tokens += 1
-        if choice.grammar is not None and not choice.parser.thinking:
-            seq.grammar, choice.grammar = GrammarState(choice.grammar), None  # from the next token on
+        self._constrain(choice)
         if piece.stop is None:
             return delta, False
         choice.finish_reason, choice.stop_reason = "stop", piece.stop
         return delta, out.finish is None
+
+    def _constrain(self, choice: Choice) -> None:
+        """Holds the choice's output to its format, from its next token on, once it is not in a thought: the thought
+        is free, as in vLLM."""
+        if choice.grammar is not None and not choice.parser.thinking:
+            choice.seq.constrain(choice.grammar)
+            choice.grammar = None
 
     def _note_finish(self, choice: Choice, out: Output) -> None:
         seq, req = out.seq, self.job.request
