@@ -1,11 +1,16 @@
 """One job inside the worker: its choices (engine sequences), each engine output taken through detokenize -> parse
--> chunks, and the job's events, numbered 1, 2, 3, ..."""
+-> chunks, the job's events, numbered 1, 2, 3, ..., and its end: its final record, its metrics, its status.
+
+A JobRun is the only writer of its fields and of its choices; the engine loop (runner) only routes outputs to it. Its
+methods run on the engine loop thread, between steps, except the constructor and `resume` (the submitting thread,
+before the loop takes it)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,8 @@ from chatq.worker.publish import JobEnd
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
 
 
 @dataclass
@@ -53,7 +60,9 @@ class JobRun:
         *,
         settings: Settings,
         compiler: GrammarCompiler | None = None,
+        clock: JobClock | None = None,
     ):
+        """`clock`: the job's times so far (from its claimed record), for its metrics."""
         self.job = job
         self.model = model
         self.decoder = decoder
@@ -61,11 +70,11 @@ class JobRun:
         self.status: JobStatus | None = None
         self.error: ChatqError | None = None  # set, the job fails with it
         self.last_seq = 0
-        self.progress_at = 0.0
+        self.progress_at = 0.0  # time.monotonic() of its last progress write
         self.eos_ids = frozenset(model.eos_token_ids)
         self.continuous_usage = False
         self.resumed = False
-        self.clock = JobClock.starting()  # the runner's submit gives it the claimed record's
+        self.clock = clock or JobClock.starting()
         self.choices: list[Choice] = []
         # The job's fields on the lines the engine loop logs about it (chatq.core.logs): those of the task thread
         # that submits it.
@@ -134,7 +143,14 @@ class JobRun:
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
         return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
 
-    def metrics(self, end: JobEnd, now: float) -> dict[str, float]:
+    def progress(self, now: float) -> int | None:
+        """The completion tokens to write as the job's progress, when a write is due at `now` (time.monotonic())."""
+        if now - self.progress_at < PROGRESS_EVERY:
+            return None
+        self.progress_at = now
+        return self.completion_tokens
+
+    def _metrics(self, end: JobEnd, now: float) -> dict[str, float]:
         """What the ended job adds to its model's metrics: its times, its usage's token counts, how it finished."""
         # A request refused here never generated: its usage counts nothing.
         prompt = 0 if isinstance(self.error, BadRequest) else len(self.job.prompt_ids)
@@ -177,6 +193,32 @@ class JobRun:
                 c.message.add(echo)
                 events.append(self._chunk(c, echo))
         return events
+
+    def handle(self, choice: Choice, out: Output, now: float) -> tuple[list[Event], list[str]]:
+        """One engine output of the step that ended at `now`: its events, and the ids of the sequences the engine
+        must drop. A failure here fails this job alone; its unfinished choices end with it."""
+        if out.token is not None:
+            self.clock.token(choice.index, now)
+        numbered = self.last_seq
+        try:
+            events, stop_now = self.on_output(choice, out)
+        except Exception as e:  # one job's text handling must not sink the others
+            log.exception("job %s failed while handling its output", self.job.id, extra=self.log_extra)
+            self.error = InternalError(f"output processing failed ({type(e).__name__})")
+            self.last_seq = numbered  # events it numbered are dropped: the error takes the next number
+            events, stop_now = [], False
+        drop = [out.seq.id] if stop_now else []
+        if self.error is not None:
+            drop += self._fail_choices()
+        return events, drop
+
+    def _fail_choices(self) -> list[str]:
+        """Ends the failed job's choices that had not ended; the ids of its sequences still generating. Those include
+        one a stop string ended whose drop was never asked for, as its handling failed."""
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "error"
+        return [c.seq.id for c in self.choices if c.seq.finish is None]
 
     def on_output(self, choice: Choice, out: Output) -> tuple[list[Event], bool]:
         """The events for one engine output, and whether the engine must drop the sequence (a stop string)."""
@@ -306,15 +348,19 @@ class JobRun:
         return self.chunks.logprobs(tokens)
 
     def end(self) -> tuple[list[Event], JobEnd]:
-        """The job's closing events and final record, once every choice finished."""
+        """The job's closing events and final record with what it adds to its model's metrics, once every choice
+        finished; its status is the record's from then on."""
         seq = self.last_seq
         try:
-            return self._end()
+            events, end = self._end()
         except Exception as e:  # this job fails alone; the step's other writes must still go out
             log.exception("job %s failed while building its result", self.job.id, extra=self.log_extra)
             self.last_seq = seq  # no gap in the event numbers
             self.error = InternalError(f"building the result failed ({type(e).__name__})")
-            return self._end()
+            events, end = self._end()
+        end.metrics = self._metrics(end, time.time())
+        self.status = end.status
+        return events, end
 
     def _end(self) -> tuple[list[Event], JobEnd]:
         if self.error is not None:

@@ -1,7 +1,8 @@
 """The worker's engine loop: jobs in, one engine step at a time, events out.
 
-Celery task threads hand jobs to `Runner.submit` and wait; a single loop thread owns the engine, takes each step's
-outputs through every job's text pipeline (jobrun) and writes them all in one Redis transaction per step (publish).
+Celery task threads hand jobs to `Runner.submit` and wait; a single loop thread owns the engine, routes each step's
+outputs to the runs of their jobs (jobrun), which make the events, and writes them all in one Redis transaction per
+step (publish). The loop only routes: what a job's state becomes is its run's to say.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from chatq.core.errors import InternalError
 from chatq.core.job import Event, Job
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
@@ -24,8 +24,6 @@ from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
-
-PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
 
 
 class Runner:
@@ -83,9 +81,7 @@ class Runner:
     def submit(self, job: Job, log: list[Event] | None = None, clock: JobClock | None = None) -> JobRun:
         """Runs the job; with the log of an earlier attempt, from where that log stops. `clock`: its times so far
         (from its claimed record), for its metrics."""
-        run = JobRun(job, self.model, self.decoder, settings=self.settings, compiler=self.compiler)
-        if clock is not None:
-            run.clock = clock
+        run = JobRun(job, self.model, self.decoder, settings=self.settings, compiler=self.compiler, clock=clock)
         if log is not None and run.choices:
             run.resume(log)
         self._new.put(run)
@@ -131,7 +127,7 @@ class Runner:
         outputs = self._step()
         now = time.time()
         for out in outputs:
-            self._handle(out, writes, touched, now)
+            self._route(out, writes, touched, now)
         ended = self._close_or_progress(touched, writes)
 
         def written(said: Written) -> None:
@@ -198,49 +194,30 @@ class Runner:
             if self.on_step is not None:
                 self.on_step(time.monotonic() - start)
 
-    def _handle(self, out: Output, writes: StepWrites, touched: dict[str, JobRun], now: float) -> None:
-        """One engine output into its job's events; a job whose handling fails ends with an error."""
+    def _route(self, out: Output, writes: StepWrites, touched: dict[str, JobRun], now: float) -> None:
+        """One engine output to the run of its job; its events into the step's writes, its drops to the engine."""
         entry = self.by_seq.get(out.seq.id)
         if entry is None:  # the engine confirming a drop we asked for after the job had ended
             return
         run, choice = entry
         touched[run.job.id] = run
-        if out.token is not None:
-            run.clock.token(choice.index, now)
-        numbered = run.last_seq
-        try:
-            events, stop_now = run.on_output(choice, out)
-        except Exception as e:  # one job's text handling must not sink the others
-            log.exception("job %s failed while handling its output", run.job.id, extra=run.log_extra)
-            run.error = InternalError(f"output processing failed ({type(e).__name__})")
-            run.last_seq = numbered  # events it numbered are dropped: the error takes the next number
-            events, stop_now = [], False
-        if stop_now:
-            self.engine.cancel(out.seq.id)
-        if run.error is not None:  # one failed choice fails the job: stop its siblings too
-            for c in run.choices:
-                if c.finish_reason is None:
-                    c.finish_reason = "error"
-                # Also a choice a stop string ended whose drop was never asked for, as its handling failed.
-                if c.seq.finish is None:
-                    self.engine.cancel(c.seq.id)
+        events, drop = run.handle(choice, out, now)
+        for seq_id in drop:
+            self.engine.cancel(seq_id)
         writes.events.extend((run.job.id, e) for e in events)
 
     def _close_or_progress(self, touched: dict[str, JobRun], writes: StepWrites) -> list[JobRun]:
-        """Closes the jobs whose every choice finished, notes the progress of the others; the closed ones."""
+        """Closes the jobs whose every choice finished, writes the progress of the others when due; the closed ones."""
         ended = []
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         for job_id, run in touched.items():
             if run.finished:
                 events, end = run.end()
-                end.metrics = run.metrics(end, wall)
                 writes.events.extend((job_id, e) for e in events)
                 writes.ended.append(end)
-                run.status = end.status
                 ended.append(run)
-            elif now - run.progress_at >= PROGRESS_EVERY:
-                run.progress_at = now
-                writes.progress[job_id] = run.completion_tokens
+            elif (tokens := run.progress(now)) is not None:
+                writes.progress[job_id] = tokens
         for run in ended:
             del self.runs[run.job.id]
             for c in run.choices:
