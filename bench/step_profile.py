@@ -103,7 +103,7 @@ def instrument(runner: Runner, clocks: Clocks) -> None:
     engine = runner.engine
     clocks.wrap_iteration(runner)
     clocks.wrap(runner, "_step", "step")
-    clocks.wrap(runner, "_handle", "text")
+    clocks.wrap(runner, "_route", "text")
     clocks.wrap(runner, "_close_or_progress", "text")
     clocks.wrap(runner.publisher, "flush", "redis")
     if engine.forward.rows is not None:
