@@ -89,7 +89,7 @@ class JobRun:
 
     def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
         job, req = self.job, self.job.request
-        self.chunks, self.echo, self.include_reasoning = self._shapes()
+        self.chunks, self.echo, self.include_reasoning = self._formatting()
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         room = self.model.max_model_len - len(job.prompt_ids)
@@ -112,8 +112,8 @@ class JobRun:
             self._constrain(choice)
             self.choices.append(choice)
 
-    def _shapes(self) -> tuple[chunks.ChatFormatter, str, bool]:
-        """The job's chunk shapes, the text it echoes, and whether reasoning is shown."""
+    def _formatting(self) -> tuple[chunks.ChatFormatter, str, bool]:
+        """The formatter of the job's chunks, the text it echoes, and whether reasoning is shown."""
         job, req = self.job, self.job.request
         if isinstance(req, ChatCompletionRequest):
             last = req.messages[-1]
