@@ -10,6 +10,7 @@ from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
+from chatq.core.sampling import GREEDY_BELOW
 from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
@@ -207,11 +208,6 @@ def bounded(default: Any, allowed: Range) -> Any:
 def token_limit(param: str) -> Range:
     """The range of max_tokens and max_completion_tokens, with `param` named in its message."""
     return Range(f"{param} must be at least 1", minimum=1)
-
-
-# Below it, sampling takes the most likely token: the API refuses n > 1 there, and the worker's sampler picks the
-# argmax rather than divide by a temperature near zero.
-GREEDY_BELOW = 1e-5
 
 
 class GenerationRequest(BaseModel):

@@ -19,16 +19,18 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatq.core import logs
 from chatq.worker.blocks import BlockManager
 from chatq.worker.forward import Batch, KVCache, PagedForward
-from chatq.worker.grammar import Grammar, GrammarState
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
+
+if TYPE_CHECKING:  # xgrammar is imported by a sequence's first grammar: the engine alone runs without it
+    from chatq.worker.grammar import Grammar, GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class Sequence:
     def constrain(self, grammar: Grammar) -> None:
         """Holds the output to `grammar` from the next token on: before the sequence is added, or between steps on
         the thread that steps, as a step masks its logits with it."""
+        from chatq.worker.grammar import GrammarState
+
         self.grammar = GrammarState(grammar)
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chatq.core.requests import GREEDY_BELOW
+from chatq.core.sampling import GREEDY_BELOW
 
 if TYPE_CHECKING:
     from chatq.worker.grammar import GrammarState
