@@ -351,7 +351,7 @@ class Engine:
         logits_at: list[int] = []
         emitting: list[Sequence] = []
         decodes: list[Sequence] = []
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        prefills: list[tuple[int, int, torch.Tensor]] = []
         for seq, n in scheduled:
             start = len(ids)
             first = seq.num_cached
@@ -364,14 +364,7 @@ class Engine:
             if n == 1 and first + 1 == len(seq) and not prefills:
                 decodes.append(seq)
                 continue
-            total = first + n
-            ctx = self._slots(to_device(dev, seq.blocks), total)
-            # Query i, at position first + i, sees keys 0..first + i. A chunk starting the context needs no mask,
-            # so SDPA can use its CUDA flash kernel.
-            mask = None
-            if first:
-                mask = torch.arange(total, device=dev)[None, :] <= torch.arange(first, total, device=dev)[:, None]
-            prefills.append((start, start + n, ctx, mask))
+            prefills.append((start, start + n, self._slots(to_device(dev, seq.blocks), first + n)))
         dec_table = dec_lens = None
         if decodes:
             width = max(len(s.blocks) for s in decodes)

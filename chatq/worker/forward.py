@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from chatq.worker import attention, cpu_kernels, dense
 
@@ -32,8 +33,9 @@ class Batch:
     num_decode: int
     dec_table: torch.Tensor | None  # [D, W] int32 block ids
     dec_lens: torch.Tensor | None  # [D] int32 context lengths, new token included
-    # Prefill part: per chunk, its (start, end) in the flat row, context slots and mask (None: plain causal).
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    # Prefill part: per chunk, its (start, end) in the flat row and the slots of its context, the chunk's own tokens
+    # last: query i of a chunk of n sees the context's first len(context) - n + i + 1 keys (a lower-right causal mask).
+    prefills: list[tuple[int, int, torch.Tensor]]
     logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
     dec_ids: list[str] = field(default_factory=list)  # [D] the decoding sequences' ids (CPU context rows)
 
@@ -60,6 +62,30 @@ class KVCache:
         return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool | None = None
+) -> torch.Tensor:
+    """A prompt chunk's attention: q [1, H, n, D] over its context k, v [1, KVH, L, D], whose last n keys are the
+    chunk's own. A chunk that starts the context is plainly causal; one that continues it (the next chunk of a long
+    prompt, a prompt after a prefix-cache hit) is causal from the lower right. `flash`: through the bias object
+    (by default on CUDA in 16-bit types, where SDPA's flash kernel takes it), else through a mask."""
+    n, length = q.shape[2], k.shape[2]
+    if n == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if flash is None:
+        flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if flash:
+        # Grouped K/V heads and all, with no mask in memory.
+        bias = causal_lower_right(n, length)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    # A mask has no flash kernel, and grouped heads no memory-efficient one, which would leave SDPA's math kernel with
+    # its huge scores: repeating the K/V heads costs one copy of the context.
+    mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
+    if (groups := q.shape[1] // k.shape[1]) > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 class PagedForward:
     def __init__(self, model: nn.Module, cache: KVCache):
         self.model = model
@@ -78,9 +104,10 @@ class PagedForward:
         # Rotary application is the one function each architecture module defines; take the model's own.
         self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
         kc = cache.k[0]
-        self.paged = kc.is_cuda and attention.paged_decode_works(
-            attn.config.num_attention_heads, kc.shape[1], self.head_dim, cache.block_size, kc.dtype, kc.device
-        )
+        self.heads = attn.config.num_attention_heads
+        # Decode attention by the Triton kernel over the paged cache; the engine's start check (selfcheck) turns it off
+        # where it disagrees with SDPA.
+        self.paged = kc.is_cuda and attention.triton is not None
         if kc.is_cuda:
             # Where torch prefers cuDNN's attention (Hopper, recent cuDNN) it builds a costly plan for each new pair of
             # prompt and context lengths, and a server keeps seeing new ones.
@@ -92,7 +119,6 @@ class PagedForward:
             shape = (len(self.layers), kc.shape[1], self.head_dim, cache.block_size, kc.dtype)
             runs = self.kernels is not None and cpu_kernels.attention_runs(self.head_dim, kc.dtype)
             self.rows = attention.ContextRows(*shape, budget=cache.bytes, kernel=self.kernels if runs else None)
-        heads = attn.config.num_attention_heads
         norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.fused_norm = (
             self.kernels is not None
@@ -100,7 +126,7 @@ class PagedForward:
             and cpu_kernels.computes_norm(self.kernels, self.norm, inner.config.hidden_size, kc.dtype)
         )
         self.fused_rotary = self.kernels is not None and cpu_kernels.computes_rotary(
-            self.kernels, self.rotary, self.apply_rotary, (heads, kc.shape[1], self.head_dim), kc.dtype
+            self.kernels, self.rotary, self.apply_rotary, (self.heads, kc.shape[1], self.head_dim), kc.dtype
         )
         packed = dense.can_pack(kc.device, kc.dtype)
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
@@ -163,24 +189,10 @@ class PagedForward:
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], k[:d], v[:d], layer, b, ctx)
-        for start, end, context, mask in b.prefills:
+        for start, end, context in b.prefills:
             kp = kc.index_select(0, context).transpose(0, 1)[None]  # [1, kvh, L, hd]
             vp = vc.index_select(0, context).transpose(0, 1)[None]
-            gqa = True
-            groups = q.shape[1] // kp.shape[1]
-            if mask is not None and groups > 1:
-                # Masked chunks get no flash kernel, grouped heads no memory-efficient one, leaving the math
-                # kernel's huge scores; repeating K/V heads costs one context copy (everywhere, so CPU tests cover it).
-                kp, vp, gqa = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1), False
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],
-                kp,
-                vp,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scaling,
-                enable_gqa=gqa,
-            )
+            o = prefill_attention(q[start:end].transpose(0, 1)[None], kp, vp, self.scaling)
             out[start:end] = o[0].transpose(0, 1)
         return out.reshape(t, -1)
 
