@@ -28,6 +28,11 @@ class ZeroEngine(Engine):
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
+        self.checks = []
+
+    @property
+    def mode(self) -> str:
+        return "zero"
 
     def step(self) -> list[Output]:
         with self._lock:

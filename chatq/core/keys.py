@@ -46,6 +46,11 @@ def workers(model: str) -> str:
     return f"{PREFIX}:workers:{model}"
 
 
+def worker(name: str) -> str:
+    """A live worker's own entry: its model, device and how its engine runs."""
+    return f"{PREFIX}:worker:{name}"
+
+
 def running(model: str) -> str:
     return f"{PREFIX}:running:{model}"
 
@@ -119,6 +124,13 @@ LAYOUT = (
         "the two), `created`",
     ),
     Entry((workers("{model}"),), "zset", "live workers, scored by their last heartbeat"),
+    Entry(
+        (worker("{worker}"),),
+        "hash",
+        "a live worker's entry, written by each heartbeat and gone a worker TTL after its last: `model`, `device`, "
+        "`mode` (how its engine's decode steps run: [GPU workers](gpu.md#the-start-check)), `checks` (JSON: its "
+        "start check, one line a check)",
+    ),
     Entry(
         (running("{model}"),),
         "set",

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     max_model_len: NonNegative = 0
     # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
     cuda_graph_batch: NonNegative = 256
+    # On CUDA, "auto": the Triton decode kernel and the CUDA graphs, each where the start check finds it agrees with
+    # the plain path on this GPU; "off": neither, every step through PyTorch alone.
+    fast_path: Literal["auto", "off"] = "auto"
     # How the model writes reasoning (<think>...</think>) and tool calls offered with tool_choice "auto"; "" for
     # none. A Literal, so a misspelt name fails at start, not in every request.
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""

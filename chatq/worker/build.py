@@ -49,6 +49,7 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
             prefill_chunk=settings.prefill_chunk,
             max_model_len=model.max_model_len,
             graph_batch=settings.cuda_graph_batch if on_cuda else 0,
+            fast_path=settings.fast_path == "auto",
         )
         if on_cuda:
             try:

@@ -7,6 +7,7 @@ single process, and so a single copy of the model, while many jobs run at once a
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import signal
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from chatq.worker.runner import Runner
 
 log = logging.getLogger(__name__)
+# The exit status of a worker whose GPU was lost (a supervisor restarts it on a fresh CUDA context).
+EXIT_DEVICE_LOST = 3
 settings = Settings()
 logs.celery_worker(settings.log_format)
 app = make_celery(settings)
@@ -78,6 +81,7 @@ def _load(sender=None, **_kwargs) -> None:
     client = sync_client(settings.redis_url, decode_responses=True)
     name = f"{getattr(sender, 'hostname', 'worker')}#{uuid.uuid4().hex[:8]}"
     runner = build_runner(settings, client, name)
+    runner.on_device_lost = _device_lost
     metrics.serve(runner, settings)  # before the model loads, so a scraper sees the worker start
     runner.start()
     entry = registry.entry(runner.model)
@@ -97,6 +101,7 @@ def _shutdown(**_kwargs) -> None:
     _heartbeat_stop.set()
     if _state is not None:
         _state.redis.zrem(keys.workers(settings.model_name), _state.name)
+        _state.redis.delete(keys.worker(_state.name))
         _state.runner.stop()
     telemetry.shutdown()
     # Frozen objects are never freed, and Triton's bindings list each one they still own at exit.
@@ -123,6 +128,23 @@ def _stop_now(*_args) -> None:
     if _state is not None:
         _state.redis.zrem(keys.workers(settings.model_name), _state.name)
     os._exit(1)
+
+
+def _device_lost() -> None:
+    """The engine's GPU failed for good (chatq.worker.device): out of the live-worker registry at once, so the next
+    sweep of any other worker takes this one's jobs, each to continue there as after a SIGKILL (the attempt counts),
+    and the process exits for its supervisor to restart it. Not swept from here: this process' Celery consumer
+    would take a job back before the exit."""
+    _heartbeat_stop.set()
+    if _state is not None:
+        held = ", ".join(_state.runner.runs) or "none"
+        log.critical("leaving this worker's jobs to the others' sweep: %s", held)
+        try:
+            _state.redis.zrem(keys.workers(settings.model_name), _state.name)
+            _state.redis.delete(keys.worker(_state.name))
+        except redis.RedisError:
+            log.exception("leaving the live-worker registry failed: this worker counts as dead a worker TTL from now")
+    os._exit(EXIT_DEVICE_LOST)
 
 
 def _hand_back_all() -> None:
@@ -155,8 +177,11 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
         pipe = state.redis.pipeline(transaction=False)
         if stalled:
             pipe.zrem(key, state.name)
+            pipe.delete(keys.worker(state.name))
         else:
             pipe.zadd(key, {state.name: now})
+            pipe.hset(keys.worker(state.name), mapping=_worker_entry(state))  # type: ignore[arg-type]
+            pipe.expire(keys.worker(state.name), settings.worker_ttl)
         pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
         pipe.hget(keys.model(settings.model_name), "digest")
         digest = pipe.execute()[-1]
@@ -171,6 +196,13 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
     if stalled:
         log.error("out of the live-worker registry until the engine moves again: %s", stalled)
     return stalled
+
+
+def _worker_entry(state: WorkerState) -> dict[str, str]:
+    """This worker's own registry entry (keys.worker): its model, device, and how its engine runs."""
+    engine = state.runner.engine
+    checks = json.dumps([str(c) for c in engine.checks])
+    return {"model": settings.model_name, "device": str(engine.device), "mode": engine.mode, "checks": checks}
 
 
 @app.task(name=GENERATE_TASK, bind=True)

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chatq.core import logs
+from chatq.worker import device, selfcheck
 from chatq.worker.blocks import BlockManager
+from chatq.worker.device import DeviceLost
 from chatq.worker.forward import Batch, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
@@ -128,25 +130,23 @@ class Engine:
         prefill_chunk: int,
         max_model_len: int,
         graph_batch: int = 0,
+        fast_path: bool = True,
     ):
         """graph_batch: decode steps of up to this many sequences replay fixed-size buffers (CUDA graphs on CUDA;
-        see graphs.py); 0 runs every step eagerly."""
+        see graphs.py); 0 runs every step eagerly. fast_path: on CUDA, the Triton decode kernel and the graphs, each
+        kept only where the start check (selfcheck) finds it agrees with the plain path; False: neither."""
         config: Any = model.config
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.block_size = block_size
-        max_blocks = -(-max_model_len // block_size)  # one full-length sequence
-        num_blocks = max(kv_tokens // block_size, max_blocks)
+        self.max_blocks = -(-max_model_len // block_size)  # one full-length sequence
+        num_blocks = max(kv_tokens // block_size, self.max_blocks)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
+        self.forward.paged = self.forward.paged and fast_path
         self.graphs: DecodeGraphs | None = None
-        if graph_batch > 0:
-            try:
-                self.graphs = DecodeGraphs(self.forward, graph_batch, max_blocks)
-            except Exception:  # a model or driver the capture cannot handle still serves, only slower
-                log.exception("capturing CUDA graphs failed; every step runs eagerly")
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
@@ -159,6 +159,42 @@ class Engine:
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
         self.wakeup = threading.Event()
+        self.stats = EngineStats()
+        self.checks: list[selfcheck.Check] = []  # the start check's, on CUDA
+        if self.device.type == "cuda":
+            self.checks = selfcheck.start(self, model, graph_batch if fast_path else 0)
+        elif graph_batch > 0:
+            self.graphs = self.capture_graphs(graph_batch)
+
+    @property
+    def mode(self) -> str:
+        """How decode steps run: "graphs" (the Triton kernel, replayed as CUDA graphs), "kernel" (the kernel, eager)
+        or "plain" (the context gathered into SDPA on CUDA; on CPU, the context rows and chatq's CPU kernels)."""
+        return "graphs" if self.graphs is not None else "kernel" if self.forward.paged else "plain"
+
+    def capture_graphs(self, graph_batch: int) -> DecodeGraphs | None:
+        try:
+            return DecodeGraphs(self.forward, graph_batch, self.max_blocks)
+        except Exception:  # a model or driver the capture cannot handle still serves, only slower
+            log.exception("capturing CUDA graphs failed; every step runs eagerly")
+            return None
+
+    def degrade(self, reason: str, fast_path: str | None = None) -> bool:
+        """Turns a fast path off for every later step: `fast_path` ("graphs"; "kernel", which the graphs need too),
+        by default the fastest one on. False when it was off already."""
+        fast_path = fast_path or self.mode
+        if fast_path == "graphs" and self.graphs is not None:
+            self.graphs = None
+        elif fast_path == "kernel" and self.forward.paged:
+            self.forward.paged, self.graphs = False, None
+        else:
+            return False
+        log.error("the engine runs in mode %s from now on: %s", self.mode, reason)
+        return True
+
+    def reset(self) -> None:
+        """An empty cache and fresh counts, once nothing runs (after the start check)."""
+        self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
         self.stats = EngineStats()
 
     # --- public surface --------------------------------------------------------------------------------
@@ -185,7 +221,11 @@ class Engine:
         outputs: list[Output] = []
         try:
             self._step(outputs)
+        except DeviceLost:
+            raise
         except Exception as e:
+            if device.lost(self.device):
+                raise DeviceLost(f"{self.device} was lost: {type(e).__name__}: {e}") from e
             # A fault outside any one sequence leaves the state unknown: fail every sequence, so jobs end rather than
             # await a step that keeps raising, and restart with an empty cache.
             log.exception("engine step failed")
@@ -197,25 +237,10 @@ class Engine:
         scheduled = self._schedule()
         if not scheduled:
             return
-        try:
-            logits, emitting = self._forward(scheduled)
-        except Exception as e:
-            log.exception("forward pass failed")
-            error = f"generation failed ({type(e).__name__})"
-            # The pass is shared, so all of it failed. Any prompt chunks are the likely cause (a long chunk's
-            # memory): fail those, and retry the running streams once without them.
-            decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
-            prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
-            outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], error))
-            if not prefills or not decodes:
-                return
-            scheduled = decodes
-            try:
-                logits, emitting = self._forward(scheduled)
-            except Exception:
-                log.exception("forward pass failed again without the prompt chunks")
-                outputs.extend(self._fail([seq for seq, _ in scheduled], error))
-                return
+        passed = self._forward_or_fail(scheduled, outputs)
+        if passed is None:
+            return
+        logits, emitting, scheduled = passed
         for seq, n in scheduled:
             seq.num_cached += n
             self.blocks.register(seq)
@@ -225,11 +250,55 @@ class Engine:
         if emitting:
             outputs.extend(self._sample(emitting, logits))
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def _forward_or_fail(
+        self, scheduled: list[tuple[Sequence, int]], outputs: list[Output]
+    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, int]]] | None:
+        """The step's logits, the sequences they sample for, and the sequences the pass fed. A pass that fails
+        on a fast path runs again without it, which stays off; one that fails on the plain path fails its prompt
+        chunks, the likely cause (a long chunk's memory), and runs the decodes again alone (the rest fail with
+        them into `outputs`). A lost device raises DeviceLost."""
         batch, emitting = self._build_batch(scheduled)
+        path = self._path(batch)
+        try:
+            return self._run(batch, path), emitting, scheduled
+        except Exception as e:
+            error = self._failure(e, path)
+        if path != "plain" and self.degrade(f"a step failed on it: {error}", path):
+            try:
+                return self._run(batch, self._path(batch)), emitting, scheduled
+            except Exception as e:
+                error = self._failure(e, self._path(batch))
+        decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
+        prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
+        outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], f"generation failed ({error})"))
+        if not prefills or not decodes:
+            return None
+        batch, emitting = self._build_batch(decodes)
+        try:
+            return self._run(batch, self._path(batch)), emitting, decodes
+        except Exception as e:
+            error = self._failure(e, "without the prompt chunks")
+            outputs.extend(self._fail([seq for seq, _ in decodes], f"generation failed ({error})"))
+            return None
+
+    def _failure(self, e: Exception, path: str) -> str:
+        """Logs a failed forward pass; the error's type. Raises DeviceLost if the device went with it."""
+        if device.lost(self.device):
+            raise DeviceLost(f"{self.device} was lost: {type(e).__name__}: {e}") from e
+        log.exception("forward pass failed (%s)", path)
+        return type(e).__name__
+
+    def _path(self, batch: Batch) -> str:
+        """The way a pass over `batch` goes: "graphs", "kernel" (its decodes through the Triton kernel) or "plain"."""
         if self.graphs is not None and not batch.prefills and batch.num_decode <= self.graphs.max_batch:
-            return self.graphs(batch), emitting
-        return self.forward(batch), emitting
+            return "graphs"
+        return "kernel" if self.forward.paged and batch.num_decode else "plain"
+
+    def _run(self, batch: Batch, path: str) -> torch.Tensor:
+        if path == "graphs":
+            assert self.graphs is not None
+            return self.graphs(batch)
+        return self.forward(batch)
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[Output]:
         for seq in seqs:

@@ -64,6 +64,10 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             counter.add_metric([self.model], value)
             yield counter
+        doc = "How the engine's decode steps run, in the label `mode` (1)."
+        mode = GaugeMetricFamily(PREFIX + "engine_mode", doc, labels=[*LABELS, "mode"])
+        mode.add_metric([self.model, engine.mode], 1)
+        yield mode
 
 
 def _used(blocks) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from chatq.core.settings import Settings
+from chatq.worker.device import bind
 
 log = logging.getLogger(__name__)
 
@@ -91,5 +92,6 @@ def load_model(settings: Settings) -> torch.nn.Module:
 
     path = ensure_model_dir(settings)
     device, dtype = pick_device(settings)
+    bind(device)  # the engine's thread loads the model: its kernels and graphs go to this device from now on
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapper of `to` mistypes `self`

@@ -17,6 +17,7 @@ from chatq.core.job import Event, Job
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder
+from chatq.worker.device import DeviceLost
 from chatq.worker.engine import Engine, Output
 from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.jobrun import Choice, JobRun
@@ -54,6 +55,8 @@ class Runner:
         self.thread = threading.Thread(target=self._loop, name="chatq-engine", daemon=True)
         self.stepping_since: float | None = None  # time.monotonic() when the engine step under way began
         self.on_step: Callable[[float], None] | None = None  # given each step's seconds (the worker's metrics)
+        self.lost: str | None = None  # why the engine's device was lost, once it was
+        self.on_device_lost: Callable[[], None] | None = None  # then called on the engine thread, which ends
 
     def start(self) -> None:
         """Starts the engine thread and returns once the model is loaded in it."""
@@ -64,6 +67,8 @@ class Runner:
 
     def stalled(self, limit: float) -> str | None:
         """Why this worker's engine cannot be counted on to make progress, or None while it can."""
+        if self.lost is not None:
+            return self.lost
         if not self.thread.is_alive():
             return "the engine thread has stopped"
         since = self.stepping_since
@@ -103,6 +108,12 @@ class Runner:
         while not self._stop.is_set():
             try:
                 self._iterate()
+            except DeviceLost as e:  # nothing runs on the GPU again in this process: its jobs must go elsewhere
+                self.lost = str(e)
+                log.critical("%s: the worker stops", e)
+                if self.on_device_lost is not None:
+                    self.on_device_lost()
+                return
             except Exception:  # a Redis outage or a bug in the loop itself: keep serving once it passes
                 log.exception("engine loop iteration failed")
                 self._stop.wait(0.5)

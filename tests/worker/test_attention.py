@@ -76,22 +76,22 @@ def test_keys_past_a_sequences_length_are_not_read():
     torch.testing.assert_close(after, before)
 
 
-def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
+def test_the_kernels_start_check_measures_how_far_it_is_from_sdpa(monkeypatch):
     device = torch.device(DEV)
-    assert attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
-    assert not attention.paged_decode_works(14, 2, 64, 24, torch.float32, device)  # tiles are powers of two
+    assert attention.paged_decode_error(14, 2, 64, 16, torch.float32, device) < 1e-5
+    assert attention.paged_decode_error(14, 2, 64, 24, torch.float32, device) == float("inf")  # tiles: powers of two
 
     def wrong(q, *args):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(attention, "decode_paged", wrong)
-    assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
+    assert attention.paged_decode_error(14, 2, 64, 16, torch.float32, device) == 1.0
 
     def broken(*args):
         raise RuntimeError("no kernel image is available for execution on the device")
 
     monkeypatch.setattr(attention, "decode_paged", broken)
-    assert not attention.paged_decode_works(14, 2, 64, 16, torch.float32, device)
+    assert attention.paged_decode_error(14, 2, 64, 16, torch.float32, device) == float("inf")
 
 
 # A bf16 model's rows are bf16: its outputs differ from float32 attention over the same values by bf16's rounding.

@@ -43,6 +43,10 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
     runner.start()
     try:
         assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
+        # Its own entry says how its engine runs, and lives a worker TTL past its last beat.
+        own = keys.worker("hanging")
+        assert r.hgetall(own) == {"model": settings.model_name, "device": "cpu", "mode": "zero", "checks": "[]"}
+        assert 0 < r.ttl(own) <= settings.worker_ttl
         request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         run = runner.submit(Job(id="chatcmpl-hanging", model=settings.model_name, request=request, prompt_ids=[1]))
         # The step began (however long the engine thread took to get to it on a busy machine) and has run past
@@ -54,7 +58,7 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
         time.sleep(2 * settings.step_timeout)
         stalled = beat(state, settings)
         assert stalled is not None and stalled.startswith("an engine step has been running for")
-        assert r.zscore(registry, "hanging") is None
+        assert r.zscore(registry, "hanging") is None and not r.exists(own)
         engine.release.set()
         assert run.done.wait(10)
         assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
@@ -63,6 +67,7 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
         runner.stop()
     assert runner.stalled(settings.step_timeout) == "the engine thread has stopped"
     r.delete(registry, keys.job("chatcmpl-hanging"), keys.events("chatcmpl-hanging"), keys.model(settings.model_name))
+    r.delete(keys.worker("hanging"))
     r.srem(keys.models(), settings.model_name)
 
 

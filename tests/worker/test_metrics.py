@@ -55,3 +55,6 @@ def test_the_worker_reports_its_engines_steps_tokens_cache_and_prefix_hits(
     assert after["chatq:kv_cache_used_blocks"] == pytest.approx(after["chatq:kv_cache_usage_perc"] * blocks)
     assert after["chatq:engine_batch_size"] >= 1
     assert "chatq:num_preemptions_total" in after
+    text = httpx.get(f"http://127.0.0.1:{settings.worker_metrics_port}/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text) if f.name == "chatq:engine_mode"]
+    assert [(s.labels["mode"], s.value) for f in families for s in f.samples] == [("plain", 1.0)]  # a CPU's path
