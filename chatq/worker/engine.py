@@ -59,6 +59,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # constrained decoding: what the output may be
+    # The grammar its answer follows, after its reasoning if it reasons: constrain() applies it here when the
+    # reasoning ends; an engine that constrains by itself (vLLM's) takes it whole when the sequence is added.
+    format: Grammar | None = None
     history: History = field(default_factory=History)  # the sampler's record of it, for penalties
     finish: Finish | None = None
     error: str | None = None

@@ -100,7 +100,7 @@ class JobRun:
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
-            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority)
+            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority, format=self.plan.grammar)
             text = TextStream(
                 self.decoder.tokenizer,
                 req.stop,
