@@ -31,7 +31,7 @@ FROM python AS worker-deps
 # Triton (the decode-attention kernel, and xgrammar's mask on CUDA) compiles its launcher with a C compiler at start;
 # on CPU the worker compiles its decode kernels (chatq/worker/cpu_kernels.cpp) with a C++ one.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev && rm -rf /var/lib/apt/lists/*
-# CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+# CPU torch by default; GPU images pass e.g. --build-arg TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130".
 # First, as the largest layer and the one that changes least.
 ARG TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 RUN pip install $TORCH

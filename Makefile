@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Which build `torch==2.13.0` gives depends on where pip finds it (PyPI's Linux wheel is the CUDA one); to choose,
-# e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" (or .../cu128 on GPU hosts).
+# e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" (or .../cu130 on GPU hosts: docs/gpu.md).
 TORCH ?= torch==2.13.0
 
 .PHONY: setup run test lint clean
