@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,14 +113,15 @@ def warm_up(engine: Engine, prompts: list[list[int]]) -> None:
         engine.step()
 
 
-def check_against_transformers(graph_batch: int) -> bool | dict[str, str]:
-    """Greedy tokens of the engine equal transformers' own forward on a small fp32 model, on this device: prompt
-    chunks beside decodes, then decode steps of 5, 3 and 2 sequences (graph buckets 1, 2, 4 when graph_batch=4).
-    True, or each differing sequence's first difference with transformers' logit margin there: a margin near float32's
-    rounding is a near-tie the two summation orders split, a large one a wrong step."""
+def check_against_transformers(graph_batch: int, dtype: torch.dtype = torch.float32) -> bool | dict[str, str]:
+    """Greedy tokens of the engine equal transformers' own forward on a small model, on this device: prompt chunks
+    (continuing chunks: in bf16 on CUDA, the flash kernel's lower-right bias) beside decodes, then decode steps of 5, 3
+    and 2 sequences (graph buckets 1, 2, 4 when graph_batch=4). True, or each differing sequence's first difference
+    with transformers' logit margin there: a margin near the dtype's rounding is a near-tie the two summation orders
+    split, a large one a wrong step."""
     torch.manual_seed(0)
     with torch.device(DEV):
-        model = AutoModelForCausalLM.from_config(config("tiny"), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_config(config("tiny"), dtype=dtype).eval()
     prompts = [torch.randint(10, 990, (n,)).tolist() for n in (5, 37, 64, 130, 300)]
     lengths = [12, 4, 12, 7, 12]
     engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=50, max_model_len=2048, graph_batch=graph_batch)
@@ -135,7 +137,7 @@ def check_against_transformers(graph_batch: int) -> bool | dict[str, str]:
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
             out = got[str(i)]
             # One pass over the prompt and the engine's tokens: the logits at each position pick the next token.
-            logits = model(torch.tensor([p + out], device=DEV)).logits[0, len(p) - 1 : -1]
+            logits = model(torch.tensor([p + out], device=DEV)).logits[0, len(p) - 1 : -1].float()
             want = logits.argmax(-1).tolist()
             k = next((k for k, (w, g) in enumerate(zip(want, out, strict=True)) if w != g), None)
             if k is not None:
@@ -144,6 +146,45 @@ def check_against_transformers(graph_batch: int) -> bool | dict[str, str]:
             elif len(out) != n:
                 differences[str(i)] = f"{len(out)} tokens of {n}"
     return differences or True
+
+
+def bf16_against_transformers() -> bool | dict[str, str] | str:
+    if DEV != "cuda":
+        return "cuda only"
+    return check_against_transformers(min(GRAPHS, 4), torch.bfloat16)
+
+
+# Run in a process of its own: the fault ends that process' CUDA context.
+_DEVICE_LOST = """
+import sys, torch
+sys.path.insert(0, ".")
+from bench.gpu_engine import Engine, SamplingParams, Sequence, config
+from chatq.worker import forward
+from chatq.worker.device import DeviceLost
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_config(config("tiny"), dtype=torch.bfloat16).cuda().eval()
+engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=512, max_model_len=2048)
+def out_of_bounds(self, b, out=None):
+    torch.zeros(3, device="cuda")[torch.tensor([5], device="cuda")]
+    torch.cuda.synchronize()
+forward.PagedForward.__call__ = out_of_bounds
+engine.add(Sequence("s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)))
+try:
+    print("the step returned:", engine.step())
+except DeviceLost as e:
+    print("DeviceLost:", str(e).splitlines()[0])
+"""
+
+
+def device_lost_ends_steps() -> str:
+    """What an engine step does after a device-side assert: raise DeviceLost (the worker then leaves), not fail its
+    sequences and carry on with a dead context."""
+    if DEV != "cuda":
+        return "cuda only"
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", _DEVICE_LOST], capture_output=True, text=True, timeout=180, cwd=root)
+    lines = run.stdout.strip().splitlines() or [run.stderr.strip()[-300:]]
+    return lines[-1]
 
 
 def check_attention_bf16() -> dict[str, float] | str:
@@ -246,6 +287,9 @@ def bench_model(kind: str, graph_batch: int) -> dict:
         # Capture failing leaves the engine eager (it logs why), and a failed forward pass ends its sequences early:
         # either would make tok/s describe something else than the row says.
         graphs_captured=engine.graphs is not None,
+        # The start check's verdict (chatq.worker.selfcheck), and each check with its numbers.
+        mode=engine.mode,
+        checks=[str(c) for c in engine.checks],
         # Decode attention through the Triton kernel over the paged cache; false: gathered into SDPA, which syncs.
         paged_kernel=engine.forward.paged,
         complete=tokens == N * NEW,
@@ -268,7 +312,9 @@ def main() -> None:
             facts[f"check_against_transformers_graphs{graph_batch}"] = check_against_transformers(graph_batch)
         except Exception as e:  # noqa: BLE001 - a broken path is a result to report, not a reason to stop
             facts[f"check_against_transformers_graphs{graph_batch}"] = f"{type(e).__name__}: {e}"
-    for name, check in (("attention_bf16_max_abs_error", check_attention_bf16), ("syncs_per_step", syncs_per_step)):
+    checks = [("attention_bf16_max_abs_error", check_attention_bf16), ("syncs_per_step", syncs_per_step)]
+    checks += [("check_against_transformers_bf16", bf16_against_transformers), ("device_lost", device_lost_ends_steps)]
+    for name, check in checks:
         try:
             facts[name] = check()
         except Exception as e:  # noqa: BLE001
@@ -291,12 +337,11 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
         (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
-    head = f"{'model':<10} {'requests':>8} {'new':>5} {'graphs':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>10}"
+    head = f"{'model':<10} {'requests':>8} {'new':>5} {'mode':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>10}"
     print(f"\n{head} {'prefill s':>10} {'decode s':>9} {'decode step p50 ms':>19}")
     for r in results:
-        graphs = r["graph_batch"] if r["graphs_captured"] else "eager"
         print(
-            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {graphs:>6} {r['gen_tokens']:>8} {r['s']:>8} "
+            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['mode']:>6} {r['gen_tokens']:>8} {r['s']:>8} "
             f"{r['tok_s']:>10} {r['prefill_s']:>10} {r['decode_s']:>9} {r['decode_step_ms_p50']!s:>19}"
         )
 
