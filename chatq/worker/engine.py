@@ -257,20 +257,18 @@ class Engine:
         self, scheduled: list[tuple[Sequence, int]], outputs: list[Output]
     ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, int]]] | None:
         """The step's logits, the sequences they sample for, and the sequences the pass fed. A pass that fails
-        on a fast path runs again without it, which stays off; one that fails on the plain path fails its prompt
-        chunks, the likely cause (a long chunk's memory), and runs the decodes again alone (the rest fail with
-        them into `outputs`). A lost device raises DeviceLost."""
+        on a fast path runs again without it, which stays off, down to the plain path if need be; one that fails on
+        the plain path fails its prompt chunks, the likely cause (a long chunk's memory), and runs the decodes again
+        alone (the rest fail with them into `outputs`). A lost device raises DeviceLost."""
         batch, emitting = self._build_batch(scheduled)
-        path = self._path(batch)
-        try:
-            return self._run(batch, path), emitting, scheduled
-        except Exception as e:
-            error = self._failure(e, path)
-        if path != "plain" and self.degrade(f"a step failed on it: {error}", path):
+        while True:
+            path = self._path(batch)
             try:
-                return self._run(batch, self._path(batch)), emitting, scheduled
+                return self._run(batch, path), emitting, scheduled
             except Exception as e:
-                error = self._failure(e, self._path(batch))
+                error = self._failure(e, path)
+            if path == "plain" or not self.degrade(f"a step failed on it: {error}", path):
+                break
         decodes = [(seq, n) for seq, n in scheduled if len(seq) - seq.num_cached == 1]
         prefills = [seq for seq, n in scheduled if len(seq) - seq.num_cached != 1]
         outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], f"generation failed ({error})"))

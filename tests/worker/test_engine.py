@@ -10,9 +10,10 @@ import torch
 from chatq.core.render import Renderer
 from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
-from chatq.worker import sampler
+from chatq.worker import attention, sampler
 from chatq.worker.engine import Engine, Finish, Sequence
 from chatq.worker.grammar import GrammarCompiler, GrammarState
+from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.model import load_model
 from chatq.worker.sampler import SamplingParams
 from tests.helpers import model_info
@@ -254,17 +255,17 @@ def test_a_sequence_whose_grammar_fails_ends_alone(model, prompts, reference):
 
 def test_a_forward_pass_failing_with_prompt_chunks_fails_only_those(model, prompts, reference, monkeypatch):
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
-    forward = engine.forward
+    forward = type(engine.forward).__call__
     failures = 0
 
-    def flaky(batch, out=None):  # out of memory, say, on the newcomer's prompt chunk
+    def flaky(self, batch, out=None):  # out of memory, say, on the newcomer's prompt chunk
         nonlocal failures
         if batch.prefills and batch.num_decode:
             failures += 1
             raise torch.OutOfMemoryError("no room for the chunk")
-        return forward(batch, out)
+        return forward(self, batch, out)
 
-    monkeypatch.setattr(engine, "forward", flaky)
+    monkeypatch.setattr(type(engine.forward), "__call__", flaky)
     engine.add(greedy(0, prompts[0]))
     engine.step()  # its prefill, alone
     engine.add(Sequence("late", prompts[1], SamplingParams(max_tokens=NEW, temperature=0)))
@@ -389,3 +390,35 @@ def test_decode_through_the_cuda_kernel_equals_generate(model, prompts, referenc
     assert [done[str(i)].output_ids for i in range(len(prompts))] == [
         r[:n] for r, n in zip(reference, lengths, strict=True)
     ]
+
+
+@pytest.mark.parametrize("failing", ["graphs", "kernel"])
+def test_a_fast_path_failing_at_run_time_is_turned_off_and_the_step_runs_again(model, prompts, reference, failing):
+    # The CUDA path's code in Triton's interpreter and the uncaptured graph buffers; one of them raises from the third
+    # decode step on, as a kernel that errs on a shape its start check did not try.
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192, graph_batch=4)
+    engine.forward.paged = True
+    calls = 0
+
+    def failing_after_two(real):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls > 2:
+                raise RuntimeError("Triton Error [CUDA]: an error the start check did not meet")
+            return real(*args, **kwargs)
+
+        return call
+
+    if failing == "graphs":
+        patched = failing_after_two(DecodeGraphs.__call__)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(DecodeGraphs, "__call__", patched)
+            done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts[:3])])
+        assert engine.mode == "kernel"
+    else:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(attention, "decode_paged", failing_after_two(attention.decode_paged))
+            done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts[:3])])
+        assert engine.mode == "plain" and engine.graphs is None
+    assert [done[str(i)].output_ids for i in range(3)] == reference[:3]
