@@ -180,7 +180,7 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
             pipe.delete(keys.worker(state.name))
         else:
             pipe.zadd(key, {state.name: now})
-            pipe.hset(keys.worker(state.name), mapping=_worker_entry(state))  # type: ignore[arg-type]
+            pipe.hset(keys.worker(state.name), mapping=_worker_entry(state, settings))  # type: ignore[arg-type]
             pipe.expire(keys.worker(state.name), settings.worker_ttl)
         pipe.zremrangebyscore(key, 0, now - settings.worker_ttl)
         pipe.hget(keys.model(settings.model_name), "digest")
@@ -198,7 +198,7 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
     return stalled
 
 
-def _worker_entry(state: WorkerState) -> dict[str, str]:
+def _worker_entry(state: WorkerState, settings: Settings) -> dict[str, str]:
     """This worker's own registry entry (keys.worker): its model, device, and how its engine runs."""
     engine = state.runner.engine
     checks = json.dumps([str(c) for c in engine.checks])

@@ -20,6 +20,7 @@ EXAMPLES = {
     keys.models: (),
     keys.model: ("m",),
     keys.workers: ("m",),
+    keys.worker: ("m@host-7#1a2b3c4d",),
     keys.running: ("m",),
     keys.metrics: ("m",),
     keys.idempotency: ("0f", "key"),
