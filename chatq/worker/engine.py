@@ -19,7 +19,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -107,6 +107,39 @@ class EngineStats:
     preemptions: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of those, tokens found cached
+
+
+@dataclass
+class Occupancy:
+    """How full the engine is, for the worker's gauges: read at a scrape, from another thread."""
+
+    running: int  # sequences holding cache
+    waiting: int  # sequences waiting for cache room
+    used_blocks: int  # KV-cache blocks held by sequences
+    num_blocks: int  # KV-cache blocks in all
+
+
+class StepEngine(Protocol):
+    """What the worker uses of an engine: the loop (runner) its intake, steps and wake-up, the metrics its totals and
+    occupancy, the registry entry its device, mode and start checks. chatq's Engine, or vLLM's (vllm_engine)."""
+
+    device: torch.device
+    wakeup: threading.Event
+    stats: EngineStats
+    checks: list[selfcheck.Check]
+
+    @property
+    def mode(self) -> str: ...
+
+    def add(self, seq: Sequence) -> None: ...
+
+    def cancel(self, seq_id: str) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[Output]: ...
+
+    def occupancy(self) -> Occupancy: ...
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -219,6 +252,12 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             return bool(self.waiting or self.running or self._inbox or self._cancels)
+
+    def occupancy(self) -> Occupancy:
+        # Blocks nobody holds but that keep a cached prefix count as free, as in vLLM: the pool takes them when needed.
+        blocks = self.blocks
+        used = blocks.num_blocks - blocks.available()
+        return Occupancy(len(self.running), len(self.waiting), used, blocks.num_blocks)
 
     def step(self) -> list[Output]:
         outputs: list[Output] = []
@@ -470,7 +509,7 @@ class Engine:
                     tokens.append(t[0])
                     logprobs.append(lp[0])
                 except Exception as e:
-                    log.exception("sampling failed for %s", s.id, extra=_job_of(s))
+                    log.exception("sampling failed for %s", s.id, extra=job_of(s))
                     s.error = f"sampling failed ({type(e).__name__})"
                     tokens.append(-1)
                     logprobs.append(None)
@@ -479,7 +518,7 @@ class Engine:
             try:
                 finish, error = self._advance(seq, token)
             except Exception as e:  # one sequence's grammar must not stop the others' step
-                log.exception("advancing %s failed", seq.id, extra=_job_of(seq))
+                log.exception("advancing %s failed", seq.id, extra=job_of(seq))
                 finish, error = Finish.error, f"generation failed ({type(e).__name__})"
             if finish is Finish.error:
                 outputs.extend(self._fail([seq], error or "generation failed"))
@@ -515,6 +554,6 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     return seq.prompt_ids[start:] + seq.output_ids[: end - p]
 
 
-def _job_of(seq: Sequence) -> dict[str, str]:
+def job_of(seq: Sequence) -> dict[str, str]:
     """The log fields naming the sequence's job: its id is the job's id, "/", the choice's index (see jobrun)."""
     return logs.job_extra(seq.id.rpartition("/")[0])

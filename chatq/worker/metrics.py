@@ -39,14 +39,14 @@ class EngineCollector(Collector):
         engine = getattr(self.runner, "engine", None)
         if engine is None:  # still loading the model
             return
-        stats, blocks = engine.stats, engine.blocks
+        stats, held = engine.stats, engine.occupancy()
         gauges = {
             "engine_batch_size": ("Sequences in the engine's last step.", stats.batch_size),
-            "engine_num_requests_running": ("Sequences the engine holds cache blocks for.", len(engine.running)),
-            "engine_num_requests_waiting": ("Sequences in the engine waiting for cache room.", len(engine.waiting)),
-            "kv_cache_usage_perc": ("KV-cache usage: 1 means every block is held.", _used(blocks) / blocks.num_blocks),
-            "kv_cache_used_blocks": ("KV-cache blocks held by sequences.", _used(blocks)),
-            "kv_cache_num_blocks": ("KV-cache blocks in all.", blocks.num_blocks),
+            "engine_num_requests_running": ("Sequences the engine holds cache blocks for.", held.running),
+            "engine_num_requests_waiting": ("Sequences in the engine waiting for cache room.", held.waiting),
+            "kv_cache_usage_perc": ("KV-cache usage: 1 means every block is held.", held.used_blocks / held.num_blocks),
+            "kv_cache_used_blocks": ("KV-cache blocks held by sequences.", held.used_blocks),
+            "kv_cache_num_blocks": ("KV-cache blocks in all.", held.num_blocks),
         }
         counters = {
             "engine_steps": ("Engine steps (forward passes).", stats.steps),
@@ -68,11 +68,6 @@ class EngineCollector(Collector):
         mode = GaugeMetricFamily(PREFIX + "engine_mode", doc, labels=[*LABELS, "mode"])
         mode.add_metric([self.model, engine.mode], 1)
         yield mode
-
-
-def _used(blocks) -> int:
-    # Blocks nobody holds but that keep a cached prefix count as free, as in vLLM: the pool takes them when needed.
-    return blocks.num_blocks - blocks.available()
 
 
 def serve(runner: Runner, settings: Settings) -> int:

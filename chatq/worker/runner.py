@@ -18,7 +18,7 @@ from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder
 from chatq.worker.device import DeviceLost
-from chatq.worker.engine import Engine, Output
+from chatq.worker.engine import Output, StepEngine
 from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.jobrun import Choice, JobRun
 from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(
         self,
-        make_engine: Callable[[], Engine],
+        make_engine: Callable[[], StepEngine],
         model: ModelInfo,
         publisher: Publisher,
         *,
@@ -38,7 +38,7 @@ class Runner:
         compiler: GrammarCompiler | None = None,
     ):
         self.make_engine = make_engine
-        self.engine: Engine
+        self.engine: StepEngine
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self.model = model
