@@ -6,7 +6,7 @@ import base64
 import binascii
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     worker_metrics_port: PortOrNone = 0
     # Seconds a stopping worker (SIGTERM) lets its running jobs finish before it hands the rest to other workers.
     stop_grace: Annotated[float, Field(ge=0)] = 30.0
+    # The worker's generate stage: "native", chatq's own engine; "vllm", vLLM's engine stepped by the same loop
+    # (a worker installed with vLLM: docs/vllm-engine.md).
+    engine: Literal["native", "vllm"] = "native"
+    # With engine "vllm": a JSON object of vLLM's engine arguments (tensor_parallel_size, quantization,
+    # gpu_memory_utilization, speculative_config, ...), over those chatq derives from its own settings.
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
     # Torch device and dtype for the worker; "auto" picks cuda+bf16 when present, else cpu+fp32.
     device: str = "auto"
     dtype: str = "auto"

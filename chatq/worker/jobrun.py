@@ -108,7 +108,9 @@ class JobRun:
                 skip_special_tokens=skip_special,
                 include_stop=req.include_stop_str_in_output,
             )
-            choice = Choice(i, seq, text, self.plan.make_parser(), grammar=self.plan.grammar)
+            # vLLM's engine holds the answer to its format (seq.format) by itself.
+            grammar = self.plan.grammar if settings.engine == "native" else None
+            choice = Choice(i, seq, text, self.plan.make_parser(), grammar=grammar)
             self._constrain(choice)
             self.choices.append(choice)
 
