@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 
 from chatq.api.jobs import JobStore
@@ -31,6 +32,8 @@ from chatq.core.settings import Settings
 from chatq.worker.parse import JoinedDeltas, Parser
 
 ROOT = Path(__file__).resolve().parent.parent
+# vLLM's engine (CHATQ_ENGINE=vllm) and its pins, apart from the main venv: `make setup-vllm` makes it.
+VLLM_VENV = ROOT / ".venv-vllm"
 
 
 def model_info(max_model_len: int = 0, eos_token_ids: tuple[int, ...] | None = None) -> ModelInfo:
@@ -76,6 +79,17 @@ def build_tiny_model(target: Path) -> Path:
         (target / name).write_bytes((source / name).read_bytes())
     (target / "chat_template.jinja").write_text(TINY_TEMPLATE)
     return target
+
+
+def vllm_venv() -> Path:
+    """The vLLM venv, for a test that runs in it. Where it is missing the test skips, saying how to make it; with
+    REQUIRE_VLLM_TESTS=1 (CI), it fails."""
+    if not (VLLM_VENV / ".chatq-setup").exists():
+        reason = "no .venv-vllm: `make setup-vllm` makes it, with vLLM's CPU build, for the tests of CHATQ_ENGINE=vllm"
+        if os.environ.get("REQUIRE_VLLM_TESTS"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return VLLM_VENV
 
 
 def alive(pid: int | str) -> bool:
@@ -183,12 +197,15 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_worker(self, model_name: str = "", **env: str) -> str:
-        """A worker named w1, w2, ...; `model_name` and `env` (CHATQ_ variables) choose another model."""
+    def start_worker(self, model_name: str = "", venv: Path | None = None, **env: str) -> str:
+        """A worker named w1, w2, ...; `model_name` and `env` (CHATQ_ variables) choose another model; `venv`, the
+        environment it runs in (the vLLM venv's, say), else this one."""
         self._started += 1
         name = f"w{self._started}"
         settings = self.settings.model_copy(update={"model_name": model_name}) if model_name else self.settings
         command = worker_command(settings)
+        if venv is not None:
+            command[0] = str(venv / "bin" / Path(command[0]).name)
         command[command.index("-n") + 1] = f"{name}@test"
         extra = {"CHATQ_MODEL_NAME": settings.model_name} | env
         self.start(name, command, extra)
