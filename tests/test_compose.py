@@ -61,6 +61,11 @@ def services(profile: str | None = None, env: Mapping[str, str] | None = None) -
     return {n: s for n, s in everything.items() if not s.get("profiles") or profile in s["profiles"]}
 
 
+def gpu_services(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The services of both GPU profiles' `up`: chatq's engine's workers (gpu) and vLLM's (vllm)."""
+    return services("gpu", env) | services("vllm", env)
+
+
 def role(service: dict[str, Any]) -> str | None:
     """Which `chatq` process a service runs, if any."""
     command = service.get("command") or []
@@ -173,7 +178,7 @@ def test_redis_keeps_its_data_and_never_evicts():
 
 @pytest.mark.parametrize("env", [{}, {"REDIS_PASSWORD": "s3cret"}])
 def test_every_process_logs_in_to_the_password_protected_redis(env):
-    running = services("gpu", env)
+    running = gpu_services(env)
     redis = running.pop("redis")
     password = redis["command"][redis["command"].index("--requirepass") + 1]
     assert password == env.get("REDIS_PASSWORD", "chatq")
@@ -202,8 +207,26 @@ def test_the_gpu_profile_adds_workers_that_reserve_one_gpu_each():
     assert len(ids) == len(set(ids)) == len(gpu)  # one GPU each, none shared
 
 
+def test_the_vllm_profile_adds_workers_on_vllms_engine_that_reserve_one_gpu_each(settings_of):
+    vllm = {n: s for n, s in services("vllm").items() if "vllm" in s.get("profiles", [])}
+    assert vllm and all(role(s) == "worker" for s in vllm.values())
+    ids = []
+    for service in vllm.values():
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and "count" not in device
+        ids += device["device_ids"]
+        assert service["build"]["target"] == "worker-vllm" and settings_of(service).engine == "vllm"
+        assert settings_of(service).worker_concurrency == settings_of(services("gpu")["worker-gpu0"]).worker_concurrency
+    assert len(ids) == len(set(ids)) == len(vllm)
+    # vLLM's own image: vLLM's CUDA build at its pinned version, which brings its torch; no CPU torch of the worker's.
+    installs = " ".join(rest for word, rest in target("worker-vllm") if word in ("ARG", "RUN"))
+    assert 'VLLM="vllm==0.32.0"' in installs and "pip install $VLLM" in installs and "TORCH" not in installs
+    assert image_env("worker-vllm")["CHATQ_ENGINE"] == "vllm" and "worker-vllm" not in services()
+    assert services()["worker"]["build"]["target"] == "worker" and settings_of(services()["worker"]).engine == "native"
+
+
 def test_workers_stop_after_their_grace_and_share_the_converted_model(settings_of):
-    workers = [s for s in services("gpu").values() if role(s) == "worker"]
+    workers = [s for s in gpu_services().values() if role(s) == "worker"]
     for worker in workers:
         # Docker's SIGKILL comes after the grace, by when running jobs were finished or handed over.
         assert seconds(worker["stop_grace_period"]) > settings_of(worker).stop_grace + 5
@@ -252,13 +275,13 @@ def test_the_cli_has_every_command_compose_and_the_dockerfile_run():
 def test_every_chatq_variable_named_is_a_setting(settings_of):
     names = set(re.findall(r"\bCHATQ_[A-Z0-9_]+", RAW + (ROOT / "Dockerfile").read_text()))
     assert names and names <= {f"CHATQ_{f.upper()}" for f in Settings.model_fields}
-    for service in services("gpu").values():
+    for service in gpu_services().values():
         if role(service):
             settings_of(service)  # and each value is one the setting takes
 
 
 def test_published_ports_are_the_ones_their_services_listen_on(settings_of):
-    everything = services("metrics") | services("gpu")
+    everything = services("metrics") | gpu_services()
     listens = {"api": lambda s: s.api_port, "flower": lambda s: s.flower_port}
     for name, service in everything.items():
         for port in service.get("ports", []):
@@ -281,7 +304,7 @@ def test_prometheus_scrapes_the_api_and_every_worker(settings_of):
     config_file = next(v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro"))
     config = yaml.safe_load((ROOT / config_file.split(":")[0]).read_text())
     jobs = {job["job_name"]: job["dns_sd_configs"] for job in config["scrape_configs"]}
-    everything = services("gpu") | services("metrics")
+    everything = gpu_services() | services("metrics")
     (api,) = jobs["chatq-api"]
     assert api["names"] == ["api"] and api["port"] == settings_of(everything["api"]).api_port
     (workers,) = jobs["chatq-worker"]
@@ -304,17 +327,17 @@ def test_the_api_and_flower_images_hold_no_torch_and_no_model(name):
 
 
 def test_every_service_builds_a_dockerfile_target():
-    built = {s["build"]["target"] for s in services("gpu").values() if "build" in s}
-    assert built == {"api", "flower", "worker"} and built <= set(dockerfile())
+    built = {s["build"]["target"] for s in gpu_services().values() if "build" in s}
+    assert built == {"api", "flower", "worker", "worker-vllm"} and built <= set(dockerfile())
 
 
-@pytest.mark.parametrize("name", ["api", "flower", "worker"])
+@pytest.mark.parametrize("name", ["api", "flower", "worker", "worker-vllm"])
 def test_every_target_runs_as_a_user_that_is_not_root(name):
     users = [rest for word, rest in target(name) if word == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
 
 
-@pytest.mark.parametrize("name", ["api", "flower", "worker"])
+@pytest.mark.parametrize("name", ["api", "flower", "worker", "worker-vllm"])
 def test_dependencies_are_layers_before_the_code(name):
     lines = target(name)
     code = lines.index(("COPY", "chatq chatq"))
