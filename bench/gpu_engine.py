@@ -8,17 +8,23 @@ continuous batching decides the rest. Prints a table and writes engine_results.j
 
 GRAPHS (default 256) is the largest decode batch replayed as a CUDA graph; GRAPHS=0 runs every step eagerly. If
 the run fails, the model runs again eagerly; each row says whether its graphs were captured and all its tokens made.
+
+Where vLLM is installed (`import vllm` works), each model runs the same load again through chatq's vLLM engine
+(chatq/worker/vllm_engine.py, CHATQ_ENGINE=vllm), on the same weights saved for vLLM to load: extra rows, engine
+"vllm". Elsewhere it prints why those rows are missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +33,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatq.worker.engine import Engine, Sequence  # noqa: E402
+from chatq.worker.engine import Engine, Sequence, StepEngine  # noqa: E402
 from chatq.worker.forward import KVCache  # noqa: E402
 from chatq.worker.sampler import SamplingParams  # noqa: E402
 
@@ -38,6 +44,7 @@ N = int(os.environ.get("N", "256"))
 NEW = int(os.environ.get("NEW", "256"))
 CHUNK = int(os.environ.get("CHUNK", "8192"))
 GRAPHS = int(os.environ.get("GRAPHS", "256"))
+VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def config(kind: str):
@@ -86,7 +93,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, int, dict[str, list[float]]]:
+def run(engine: StepEngine, prompts: list[list[int]], new: int) -> tuple[float, int, dict[str, list[float]]]:
     """Wall seconds, tokens made, and the seconds of each step, apart for steps with prompt tokens ("prefill")
     and steps of decodes alone ("decode"); every step waits for its sampled ids, so each includes its GPU time."""
     for i, p in enumerate(prompts):
@@ -103,7 +110,7 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, int,
     return time.perf_counter() - t0, tokens, steps
 
 
-def warm_up(engine: Engine, prompts: list[list[int]]) -> None:
+def warm_up(engine: StepEngine, prompts: list[list[int]]) -> None:
     """Each kind of step once before the clock starts (kernels compile, cuBLAS and the allocator settle): a prompt
     alone, prompts beside decodes (eager), decodes alone (graphs)."""
     for i, p in enumerate(prompts):
@@ -242,8 +249,17 @@ def syncs_per_step() -> dict[str, float] | str:
     return out
 
 
+def prompts_for(cfg) -> tuple[list[list[int]], list[list[int]]]:
+    """The timed prompts, and the warm-up's own: the timed ones would otherwise find their prefixes cached."""
+    random.seed(0)
+    torch.manual_seed(0)
+    prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
+    return prompts, [torch.randint(10, cfg.vocab_size - 10, (n,)).tolist() for n in (64, 200, 512, 100)]
+
+
 def bench_model(kind: str, graph_batch: int) -> dict:
     cfg = config(kind)
+    torch.manual_seed(0)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DT).eval()
     per_token = KVCache.bytes_per_token(cfg, DT)
@@ -262,14 +278,13 @@ def bench_model(kind: str, graph_batch: int) -> dict:
         graph_batch=graph_batch,
     )
     setup = time.perf_counter() - t
-    random.seed(0)
-    prompts = [torch.randint(10, cfg.vocab_size - 10, (random.randint(64, 512),)).tolist() for _ in range(N)]
-    # Prompts of their own: the timed ones would otherwise find their prefixes cached.
-    warm_up(engine, [torch.randint(10, cfg.vocab_size - 10, (n,)).tolist() for n in (64, 200, 512, 100)])
+    prompts, warm = prompts_for(cfg)
+    warm_up(engine, warm)
     wall, tokens, steps = run(engine, prompts, NEW)
     decode = sorted(steps["decode"])
     return dict(
         model=kind,
+        engine="chatq",
         device=DEV,
         n_req=N,
         new=NEW,
@@ -292,6 +307,55 @@ def bench_model(kind: str, graph_batch: int) -> dict:
         checks=[str(c) for c in engine.checks],
         # Decode attention through the Triton kernel over the paged cache; false: gathered into SDPA, which syncs.
         paged_kernel=engine.forward.paged,
+        complete=tokens == N * NEW,
+        setup_s=round(setup, 1),
+    )
+
+
+def bench_vllm(kind: str) -> dict:
+    """The same load through chatq's vLLM engine, on the model's random weights (the seed bench_model draws them
+    with) saved for vLLM to load; token ids in and out, so no tokenizer."""
+    from chatq.worker.vllm_engine import VllmEngine
+
+    cfg = config(kind)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=DT)
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        del model
+        args = dict(
+            model=path,
+            skip_tokenizer_init=True,
+            dtype=str(DT).removeprefix("torch."),
+            max_model_len=cfg.max_position_embeddings,
+            max_num_seqs=N,
+            max_num_batched_tokens=N + CHUNK,
+            enforce_eager=GRAPHS == 0,
+        )
+        if DEV == "cpu":  # the native engine's cache, not vLLM's share of the RAM
+            args["kv_cache_memory_bytes"] = 64 * 1024 * KVCache.bytes_per_token(cfg, DT)
+        t = time.perf_counter()
+        engine = VllmEngine(args, eos_token_ids=(), max_model_len=cfg.max_position_embeddings)
+        setup = time.perf_counter() - t
+    prompts, warm = prompts_for(cfg)
+    warm_up(engine, warm)
+    wall, tokens, steps = run(engine, prompts, NEW)
+    decode = sorted(steps["decode"])
+    return dict(
+        model=kind,
+        engine="vllm",
+        mode="vllm",
+        device=DEV,
+        n_req=N,
+        new=NEW,
+        gen_tokens=tokens,
+        s=round(wall, 2),
+        tok_s=round(tokens / wall, 1),
+        steps=len(decode) + len(steps["prefill"]),
+        prefill_steps=len(steps["prefill"]),
+        prefill_s=round(sum(steps["prefill"]), 2),
+        decode_s=round(sum(decode), 2),
+        decode_step_ms_p50=round(1000 * decode[len(decode) // 2], 2) if decode else None,
         complete=tokens == N * NEW,
         setup_s=round(setup, 1),
     )
@@ -332,17 +396,34 @@ def main() -> None:
             free_memory()  # outside the except block, whose traceback would keep the failed engine's cache alive
             if row is not None:
                 break
-        if row is None:
-            continue
-        results.append(row)
-        print(json.dumps(row), flush=True)
-        (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
-    head = f"{'model':<10} {'requests':>8} {'new':>5} {'mode':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>10}"
-    print(f"\n{head} {'prefill s':>10} {'decode s':>9} {'decode step p50 ms':>19}")
+        if row is not None:
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
+        if VLLM:
+            try:
+                row = bench_vllm(kind)
+            except Exception as e:  # noqa: BLE001 - the next model still runs
+                row = None
+                print(json.dumps({"model": kind, "engine": "vllm", "error": f"{type(e).__name__}: {e}"}), flush=True)
+            free_memory()
+            if row is not None:
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
+    if not VLLM:
+        print("no vllm rows: vLLM is not installed here (`make setup-vllm`, docs/vllm-engine.md)", flush=True)
+    print_table(results)
+
+
+def print_table(results: list[dict]) -> None:
+    head = f"{'model':<10} {'engine':>6} {'requests':>8} {'new':>5} {'mode':>6} {'tokens':>8} {'seconds':>8}"
+    print(f"\n{head} {'tok/s':>10} {'prefill s':>10} {'decode s':>9} {'decode step p50 ms':>19}")
     for r in results:
+        mode = r.get("mode", "-")
         print(
-            f"{r['model']:<10} {r['n_req']:>8} {r['new']:>5} {r['mode']:>6} {r['gen_tokens']:>8} {r['s']:>8} "
-            f"{r['tok_s']:>10} {r['prefill_s']:>10} {r['decode_s']:>9} {r['decode_step_ms_p50']!s:>19}"
+            f"{r['model']:<10} {r['engine']:>6} {r['n_req']:>8} {r['new']:>5} {mode:>6} {r['gen_tokens']:>8} "
+            f"{r['s']:>8} {r['tok_s']:>10} {r['prefill_s']:>10} {r['decode_s']:>9} {r['decode_step_ms_p50']!s:>19}"
         )
 
 
