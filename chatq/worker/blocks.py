@@ -67,6 +67,28 @@ class BlockManager:
                     self.free.append(block)
         seq.blocks, seq.block_hashes, seq.num_cached = [], [], 0
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of these held blocks: a beam forked from the sequence holding them."""
+        for block in blocks:
+            self.refs[block] += 1
+
+    def own_last(self, seq: HoldsBlocks) -> int | None:
+        """Before a forked sequence writes into its last block, partly filled and shared with a sibling: a block of
+        its own in its place, and the shared one returned for the caller to copy the K/V from. Without a free block
+        it lets the shared one go and computes its tokens there again. None when there is nothing to copy."""
+        bs = self.block_size
+        if seq.num_cached % bs == 0 or not seq.blocks or self.refs[seq.blocks[-1]] == 1:
+            return None
+        shared = seq.blocks[-1]
+        self.refs[shared] -= 1
+        if self.available():
+            seq.blocks[-1] = self._take()
+            return shared
+        seq.blocks.pop()
+        seq.num_cached = len(seq.blocks) * bs
+        del seq.block_hashes[len(seq.blocks) :]
+        return None
+
     def reuse_prefix(self, seq: HoldsBlocks) -> None:
         """Before a sequence's first prefill: take every registered block its prompt starts with."""
         bs, prompt = self.block_size, seq.prompt_ids

@@ -32,6 +32,7 @@ from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
 
 if TYPE_CHECKING:  # xgrammar is imported by a sequence's first grammar: the engine alone runs without it
+    from chatq.worker.beam import BeamGroup, Hypothesis
     from chatq.worker.grammar import Grammar, GrammarState
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class Sequence:
     # reasoning ends; an engine that constrains by itself (vLLM's) takes it whole when the sequence is added.
     format: Grammar | None = None
     history: History = field(default_factory=History)  # the sampler's record of it, for penalties
+    beams: BeamGroup | None = None  # the beam search it is a beam of, which picks its tokens instead of the sampler
+    # What the CPU context rows know its K/V by, if not its id: a beam's changes as it takes another beam's context.
+    context: str | None = None
     finish: Finish | None = None
     error: str | None = None
 
@@ -192,8 +196,10 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
         self._order = itertools.count()
+        self._contexts = itertools.count()  # names of the contexts beams fork
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq): lower goes first
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.parked: list[Sequence] = []  # beams waiting for their search's first step to fork them
         self.wakeup = threading.Event()
         self.stats = EngineStats()
         self.checks: list[selfcheck.Check] = []  # the start check's, on CUDA
@@ -251,7 +257,7 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.waiting or self.running or self._inbox or self._cancels)
+            return bool(self.waiting or self.running or self.parked or self._inbox or self._cancels)
 
     def occupancy(self) -> Occupancy:
         # Blocks nobody holds but that keep a cached prefix count as free, as in vLLM: the pool takes them when needed.
@@ -290,7 +296,7 @@ class Engine:
         self.stats.batch_size = len(scheduled)
         self.stats.generation_tokens += len(emitting)
         if emitting:
-            outputs.extend(self._sample(emitting, logits))
+            outputs.extend(self._sample_or_search(emitting, logits))
 
     def _forward_or_fail(
         self, scheduled: list[tuple[Sequence, int]], outputs: list[Output]
@@ -348,8 +354,8 @@ class Engine:
     def _fail_everything(self, error: str) -> list[Output]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
-        seqs = [s for s in self.running + [w[2] for w in self.waiting] + inbox if s.finish is None]
-        self.running, self.waiting = [], []
+        seqs = [s for s in self.running + [w[2] for w in self.waiting] + self.parked + inbox if s.finish is None]
+        self.running, self.waiting, self.parked = [], [], []
         # Blocks are not handed back one by one: the bookkeeping that failed may be what is wrong.
         self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
         for seq in seqs:
@@ -364,6 +370,9 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
         outputs = []
         for seq in inbox:
+            if seq.beams is not None and seq is not seq.beams.seqs[0]:
+                self.parked.append(seq)
+                continue
             if self.blocks.blocks_for(len(seq) + 1) > self.blocks.num_blocks:
                 # It would wait at the head of the queue for ever, and everything behind it with it.
                 outputs.append(self._finish(seq, Finish.error, "the prompt does not fit in this worker's KV cache"))
@@ -373,6 +382,9 @@ class Engine:
         if cancels:
             for seq in [s for s in self.running if s.id in cancels]:
                 self.running.remove(seq)
+                outputs.append(self._finish(seq, Finish.cancelled))
+            for seq in [s for s in self.parked if s.id in cancels]:
+                self.parked.remove(seq)
                 outputs.append(self._finish(seq, Finish.cancelled))
             kept = [w for w in self.waiting if w[2].id not in cancels]
             for _, _, seq in self.waiting:
@@ -390,6 +402,8 @@ class Engine:
         self.stats.preemptions += 1
         self.running.remove(seq)
         self._release(seq)
+        if seq.beams is not None:  # its step is computed again once it is back
+            seq.beams.rows.pop(seq.id, None)
         # Back in its old place, ahead of later arrivals: queued behind them, a preempted sequence could starve under
         # steady load.
         heapq.heappush(self.waiting, (seq.priority, seq.arrival, seq))
@@ -488,11 +502,76 @@ class Engine:
             dec_lens=dec_lens,
             prefills=prefills,
             logits_at=None if len(logits_at) == len(ids) else to_device(dev, logits_at),
-            dec_ids=[s.id for s in decodes],
+            dec_ids=[s.context or s.id for s in decodes],
         )
         return batch, emitting
 
     # --- sampling and finishing ------------------------------------------------------------------------
+
+    def _sample_or_search(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
+        """Samples the next token of each sequence, but for beams, whose rows go to their beam search."""
+        beams = [i for i, s in enumerate(seqs) if s.beams is not None]
+        if not beams:
+            return self._sample(seqs, logits)
+        rows = torch.log_softmax(logits[beams].float(), dim=-1)
+        outputs = []
+        for i, row in zip(beams, rows, strict=True):
+            group = seqs[i].beams
+            assert group is not None
+            group.rows[seqs[i].id] = row
+            if group.ready():
+                outputs.extend(self._advance_beams(group))
+        rest = [i for i in range(len(seqs)) if seqs[i].beams is None]
+        if rest:
+            outputs.extend(self._sample([seqs[i] for i in rest], logits[rest]))
+        return outputs
+
+    def _advance_beams(self, group: BeamGroup) -> list[Output]:
+        """One step of a beam search: each slot takes its new beam's tokens and, sharing them, its parent's blocks;
+        once the search ends, each slot its answer."""
+        beams = group.seqs[: group.running]
+        rows = torch.stack([group.rows.pop(s.id) for s in beams])
+        step = group.search.advance(rows, [s.output_ids for s in beams])
+        if step.answer is not None:
+            return self._end_beams(group, step.answer)
+        forks, continued = [], set()
+        for parent, token in zip(step.parents, step.tokens, strict=True):
+            p = beams[parent]
+            # A parent's first child continues its context rows; the others' are copied anew.
+            context = p.context or p.id if parent not in continued else f"{p.id}+{next(self._contexts)}"
+            continued.add(parent)
+            forks.append((p.output_ids + [token], list(p.blocks), list(p.block_hashes), p.num_cached, context))
+            self.blocks.share(p.blocks)
+        for seq in beams:
+            self._release(seq)
+        for seq, (output_ids, blocks, hashes, cached, context) in zip(group.seqs, forks, strict=True):
+            seq.output_ids, seq.blocks, seq.block_hashes, seq.num_cached = output_ids, blocks, hashes, cached
+            seq.context = context
+            if seq in self.parked:
+                self.parked.remove(seq)
+                seq.arrival = beams[0].arrival
+                bisect.insort(self.running, seq, key=_rank)
+            copied = self.blocks.own_last(seq)
+            if copied is not None:
+                self.cache.copy_block(copied, seq.blocks[-1])
+            elif seq.num_cached != cached:  # its last block let go, to be computed again
+                seq.context = f"{seq.id}+{next(self._contexts)}"
+        group.running = len(group.seqs)
+        return []
+
+    def _end_beams(self, group: BeamGroup, answer: list[Hypothesis]) -> list[Output]:
+        outputs = []
+        for i, seq in enumerate(group.seqs):
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq in self.parked:
+                self.parked.remove(seq)
+            if i >= len(answer):  # fewer answers than beams: none left that could end
+                outputs.append(self._finish(seq, Finish.error, "beam search found fewer answers than beams"))
+                continue
+            seq.output_ids = answer[i].tokens
+            outputs.append(self._finish(seq, Finish.stop if answer[i].ended else Finish.length))
+        return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
         rows = [Row(s.params, s.generator, s.prompt_ids, s.output_ids, s.grammar, s.history) for s in seqs]

@@ -55,6 +55,12 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.bytes = 2 * num_layers * self.k[0].numel() * self.k[0].element_size()
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Every layer's K and V of block `source` into block `target`."""
+        bs = self.block_size
+        for cache in self.k + self.v:
+            cache[target * bs : (target + 1) * bs] = cache[source * bs : (source + 1) * bs]
+
     @staticmethod
     def bytes_per_token(config, dtype: torch.dtype) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -35,3 +35,33 @@ def test_a_cached_prefix_loses_its_end_first_when_the_pool_runs_short():
     manager.reuse_prefix(again)
     # The block evicted was the prefix's last: its first two are still found, not left cached but unreachable.
     assert again.num_cached == 8
+
+
+def fork(manager: BlockManager, parent: Seq) -> Seq:
+    """A beam continuing `parent`: its blocks shared, as the engine forks them."""
+    manager.share(parent.blocks)
+    return Seq(parent.prompt_ids, list(parent.blocks), list(parent.block_hashes), parent.num_cached)
+
+
+def test_forked_beams_share_full_blocks_and_copy_a_shared_last_one():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    parent = computed(manager, list(range(6)))  # a full block and a half-filled one
+    a, b = fork(manager, parent), fork(manager, parent)
+    manager.release(parent)
+    copied = manager.own_last(a)
+    assert copied == b.blocks[-1], "the K/V to copy are the shared block's"
+    assert a.blocks[0] == b.blocks[0] and a.blocks[-1] != b.blocks[-1]
+    assert manager.own_last(b) is None, "the last holder writes into the block it has"
+    manager.release(a)
+    manager.release(b)
+    assert manager.available() == 6
+
+
+def test_a_forked_beam_without_a_free_block_computes_its_last_one_again():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    parent = computed(manager, list(range(6)))
+    a, b = fork(manager, parent), fork(manager, parent)
+    manager.release(parent)
+    assert manager.own_last(a) is None
+    assert a.blocks == b.blocks[:1] and a.num_cached == 4
+    assert manager.own_last(b) is None and b.num_cached == 6
