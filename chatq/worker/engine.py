@@ -373,7 +373,8 @@ class Engine:
             if seq.beams is not None and seq is not seq.beams.seqs[0]:
                 self.parked.append(seq)
                 continue
-            if self.blocks.blocks_for(len(seq) + 1) > self.blocks.num_blocks:
+            width = len(seq.beams.seqs) if seq.beams is not None else 1
+            if self.blocks.blocks_for(len(seq) + 1) * width > self.blocks.num_blocks:
                 # It would wait at the head of the queue for ever, and everything behind it with it.
                 outputs.append(self._finish(seq, Finish.error, "the prompt does not fit in this worker's KV cache"))
                 continue
@@ -457,7 +458,16 @@ class Engine:
             prefills.append((seq, n))
             budget -= n
         self.stats.prefill_tokens += self.prefill_chunk - budget
+        if not decodes and not prefills and self.waiting:
+            self._unblock()
         return decodes + prefills
+
+    def _unblock(self) -> None:
+        """Nothing ran while sequences wait for room: beams that only wait for their siblings give their blocks up
+        (they are computed again), or beams of searches waiting on each other would wait for ever."""
+        for seq in self.running[::-1]:
+            if seq.beams is not None and seq.id in seq.beams.rows:
+                self._preempt(seq)
 
     def _slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
         """Cache slots of a sequence's first `length` tokens, from its blocks (on the device)."""
@@ -549,7 +559,7 @@ class Engine:
             seq.context = context
             if seq in self.parked:
                 self.parked.remove(seq)
-                seq.arrival = beams[0].arrival
+                seq.arrival = next(self._order)
                 bisect.insort(self.running, seq, key=_rank)
             copied = self.blocks.own_last(seq)
             if copied is not None:
