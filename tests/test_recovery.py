@@ -193,6 +193,23 @@ def test_a_job_whose_workers_keep_dying_fails_once_its_attempts_are_spent(cluste
     assert len(text_of(fs)) > 0  # what the attempts streamed stays in the log, before the error
 
 
+def test_a_beam_search_whose_worker_is_killed_answers_the_same_on_another(cluster, http):
+    beams = {"n": 2, "use_beam_search": True}
+    resp = http.post("/v1/chat/completions", json=body(60, **beams))
+    assert resp.status_code == 200, resp.text
+    expected = [c["message"] for c in resp.json()["choices"]]
+    job_id = background(http, 60, **beams)
+    wait_status(http, job_id, "in_progress")
+    killed = cluster.holder(job_id)
+    time.sleep(1)  # the search is under way: a beam search publishes nothing before its end
+    cluster.signal(killed, signal.SIGKILL)
+    job = wait_status(http, job_id, "completed")
+    assert [c["message"] for c in job["choices"]] == expected
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    assert_whole(replay(http, job_id))
+    cluster.wait_live(cluster.start_worker())
+
+
 def running_on(cluster: Cluster, http: httpx.Client, worker: str, max_tokens: int, model: str) -> str:
     """A background job that `worker` is generating; those submitted on the way, which others took, run there."""
     for _ in range(20):

@@ -89,9 +89,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": None,
     "function_call": None,
     "suffix": None,
-    "best_of": 1,
-    "use_beam_search": None,
-    "length_penalty": 1.0,
     "prompt_logprobs": None,
     "bad_words": None,
     "allowed_token_ids": None,
@@ -250,6 +247,11 @@ class GenerationRequest(BaseModel):
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Beam search, `n` beams wide; and best_of, the best n of so many sampled, by cumulative logprob.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    best_of: int | None = bounded(None, Range(f"best_of must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
 
     @model_validator(mode="before")
     @classmethod
@@ -308,7 +310,9 @@ class GenerationRequest(BaseModel):
 
         for name, allowed in self._ranges():
             allowed.check(getattr(self, name), name)
-        need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
+        need(self.n == 1 or not self.greedy or self.use_beam_search, "n must be 1 when using greedy sampling", "n")
+        self._check_best_of()
+        self._check_beam_search()
         # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
         token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
         need(
@@ -330,6 +334,47 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens",
         )
         self._check_structured()
+
+    @property
+    def candidates(self) -> int:
+        """How many sequences are sampled: best_of, else n."""
+        return self.n if self.use_beam_search else self.best_of or self.n
+
+    def _check_best_of(self) -> None:
+        if self.best_of is None or self.use_beam_search:
+            return
+        if self.best_of < self.n:
+            raise BadRequest(
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.", "best_of"
+            )
+        if self.best_of > 1 and self.greedy:
+            raise BadRequest("best_of must be 1 when using greedy sampling", "best_of")
+
+    def _check_beam_search(self) -> None:
+        """Beam search picks tokens by their log-probabilities alone: a field that would shape them otherwise is
+        refused by name rather than ignored (temperature and seed change nothing, as in vLLM)."""
+        if not self.use_beam_search:
+            return
+        if self.best_of not in (None, self.n):
+            raise BadRequest("best_of is not supported with beam search: the beam width is n.", "best_of")
+        fmt = self.response_format
+        asks = {
+            "stop": bool(self.stop),
+            "top_p": self.top_p not in (None, 1.0),
+            "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0),
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens != 0,
+            "response_format": fmt is not None and fmt.type != "text",
+            "structured_outputs": self.structured_outputs is not None,
+            "logprobs": getattr(self, "num_logprobs", None) is not None,
+        }
+        for name, asked in asks.items():
+            if asked:
+                raise BadRequest(f"`{name}` is not supported with beam search.", name)
 
     @classmethod
     def _ranges(cls) -> Iterator[tuple[str, Range]]:
@@ -478,6 +523,8 @@ class ChatCompletionRequest(GenerationRequest):
                     f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
                 )
         self._check_tools()
+        if self.use_beam_search and (self.forced_tool or self.tool_choice == "required"):
+            raise BadRequest("A named or `required` `tool_choice` is not supported with beam search.", "tool_choice")
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequest(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",

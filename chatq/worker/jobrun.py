@@ -22,6 +22,7 @@ from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
 from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
+from chatq.worker.beam import BeamGroup, BeamSearch
 from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
 from chatq.worker.grammar import Grammar, GrammarCompiler
@@ -49,6 +50,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
+    held: Delta = field(default_factory=Delta)  # what a job answering at its end has made of it so far
+    score: float = 0.0  # its cumulative logprob, which best_of ranks by
 
 
 class JobRun:
@@ -99,8 +102,16 @@ class JobRun:
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
+        # Beam search and best_of answer once every candidate has ended: the choices stream whole, at the end.
+        self.deferred = req.use_beam_search or req.candidates > req.n
+        if req.use_beam_search and settings.engine != "native":
+            raise BadRequest("Beam search runs on chatq's own engine only (CHATQ_ENGINE=native).", "use_beam_search")
+        beams = self._beam_group(max_tokens) if req.use_beam_search else None
         for i, params in enumerate(self.plan.params):
             seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority, format=self.plan.grammar)
+            if beams is not None:
+                seq.beams = beams
+                beams.seqs.append(seq)
             text = TextStream(
                 self.decoder.tokenizer,
                 req.stop,
@@ -113,6 +124,17 @@ class JobRun:
             choice = Choice(i, seq, text, self.plan.make_parser(), grammar=grammar)
             self._constrain(choice)
             self.choices.append(choice)
+
+    def _beam_group(self, max_tokens: int) -> BeamGroup:
+        req = self.job.request
+        search = BeamSearch(
+            req.n,
+            length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping,
+            end_ids=self.plan.params[0].stop_token_ids,
+            max_tokens=max_tokens,
+        )
+        return BeamGroup(search)
 
     def _formatting(self) -> tuple[chunks.ChatFormatter, str, bool]:
         """The formatter of the job's chunks, the text it echoes, and whether reasoning is shown."""
@@ -185,6 +207,10 @@ class JobRun:
     def start(self) -> list[Event]:
         if self.resumed:  # the first attempt sent these
             return []
+        if self.deferred:
+            for c in self.choices:
+                c.message.add(Delta(content=self.echo))
+            return []
         events = []
         for c in self.choices:
             first = self.chunks.start(c.index)
@@ -228,7 +254,12 @@ class JobRun:
             return [], False
         if out.token is not None:
             choice.unlogged.append(out.token)
-        delta, stop_now = self._take_token(choice, out)
+        if out.logprob is not None:
+            choice.score += out.logprob.logprob
+        if out.token is None and out.seq.beams is not None and out.finish in (Finish.stop, Finish.length):
+            delta, stop_now = self._take_beam(choice, out), False
+        else:
+            delta, stop_now = self._take_token(choice, out)
         self._note_finish(choice, out)
         ending = choice.finish_reason in ("stop", "length")
         if ending:
@@ -239,6 +270,9 @@ class JobRun:
             if call.id is not None:
                 call.id = self._call_id(choice, call.index)
         choice.message.add(delta)
+        if self.deferred:
+            choice.held += delta
+            return [], stop_now
         # A cancelled choice ends its stream with `abort`, as a job cancelled while queued does (and as vLLM does):
         # a stream reader learns what a poller sees. That chunk, the last, carries the token ids with the finish.
         closes = ending or choice.finish_reason == "abort"
@@ -310,6 +344,14 @@ class JobRun:
         choice.finish_reason, choice.stop_reason = "stop", piece.stop
         return delta, out.finish is None
 
+    def _take_beam(self, choice: Choice, out: Output) -> Delta:
+        """A beam search's answer for the choice, its tokens set on the sequence at the end, as one delta."""
+        delta, tokens = Delta(), out.seq.output_ids
+        for i, token in enumerate(tokens):
+            finish = out.finish if i == len(tokens) - 1 else None
+            delta += self._take_token(choice, Output(out.seq, token, finish))[0]
+        return delta
+
     def _constrain(self, choice: Choice) -> None:
         """Holds the choice's output to its format, from its next token on, once it is not in a thought: the thought
         is free, as in vLLM."""
@@ -342,8 +384,12 @@ class JobRun:
             choice.finish_reason = "tool_calls"
         return delta
 
+    @property
+    def reports_logprobs(self) -> bool:
+        return self.job.request.num_logprobs is not None and not self.hide_logprobs
+
     def _take_logprobs(self, choice: Choice) -> dict[str, Any] | None:
-        if choice.seq.params.logprobs is None or not choice.unsent_logprobs:
+        if not self.reports_logprobs or not choice.unsent_logprobs:
             return None
         tokens, choice.unsent_logprobs = choice.unsent_logprobs, []
         choice.logprobs.extend(tokens)
@@ -371,9 +417,10 @@ class JobRun:
             tokens = 0 if isinstance(self.error, BadRequest) else self.completion_tokens
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, tokens, error=body["error"])
-        result = self.chunks.final([self._final_choice(c) for c in self.choices], self.usage())
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
-        events = []
+        events = self._answer() if self.deferred and status is JobStatus.completed else []
+        answered = self.choices[: self.job.request.n]
+        result = self.chunks.final([self._final_choice(c) for c in answered], self.usage())
         req = self.job.request
         opts = req.stream_options
         if status is JobStatus.completed and opts is not None and opts.include_usage:
@@ -383,6 +430,27 @@ class JobRun:
         events.append(self._event(EventKind.done, result if waited else None))
         return events, JobEnd(self.job.id, status, self.completion_tokens, result=result)
 
+    def _answer(self) -> list[Event]:
+        """A job that answers at its end: its best `n` choices (a beam search's come best first; best_of's are
+        ranked by cumulative logprob), numbered anew, each streamed as one delta; the others stay in its usage."""
+        if not self.job.request.use_beam_search:
+            self.choices.sort(key=lambda c: c.score, reverse=True)
+        events = []
+        for i, c in enumerate(self.choices):
+            c.index = i
+            if i >= self.job.request.n:
+                continue
+            first = self.chunks.start(i)
+            if first is not None:
+                events.append(self._event(EventKind.chunk, first))
+            held = Delta(content=self.echo) + c.held if self.echo else c.held
+            if held:
+                data = self.chunks.chunk(i, chunks.delta_json(held), self._take_logprobs(c))
+                events.append(self._event(EventKind.chunk, data))
+            finish = self.chunks.chunk(i, {}, None, c.finish_reason, c.stop_reason)
+            events.append(self._event(EventKind.chunk, finish))
+        return events
+
     def _final_choice(self, c: Choice) -> dict[str, Any]:
         content, reasoning, tool_calls = c.message.result()
         if self.plan.reasoning and not content:
@@ -390,7 +458,7 @@ class JobRun:
         if self.plan.forced_tools:
             content = content or ""  # vLLM's shape when the calls are the answer: empty rather than null
         logprobs = None
-        if c.seq.params.logprobs is not None and not self.hide_logprobs:
+        if self.reports_logprobs:
             logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs)
         return self.chunks.final_choice(
             c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason

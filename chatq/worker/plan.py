@@ -33,6 +33,9 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest, max_tokens: int, eos_ids: frozenset[int], defaults: dict
 ) -> list[SamplingParams]:
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
+    # Choosing the best of more candidates than answers takes each sampled token's logprob, asked for or not.
+    ranked = req.candidates > req.n
+    logprobs = (req.num_logprobs or 0) if ranked else req.num_logprobs
 
     def pick(name: str, fallback: float) -> float:
         value = getattr(req, name)
@@ -53,9 +56,9 @@ def sampling_params(
             logit_bias=req.bias(),
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
-            logprobs=req.num_logprobs,
+            logprobs=logprobs,
         )
-        for i in range(req.n)
+        for i in range(req.candidates)
     ]
 
 

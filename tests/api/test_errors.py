@@ -73,7 +73,8 @@ INVALID = [
     ({"messages": M, "bad_words": ["hi"]}, 400, BAD, "bad_words"),
     ({"messages": M, "allowed_token_ids": [1, 2]}, 400, BAD, "allowed_token_ids"),
     ({"messages": M, "chat_template": "{{ messages }}"}, 400, BAD, "chat_template"),
-    ({"messages": M, "length_penalty": 2.0}, 400, BAD, "length_penalty"),
+    ({"messages": M, "use_beam_search": True, "n": 2, "stop": ["."]}, 400, BAD, "stop"),
+    ({"messages": M, "n": 2, "best_of": 1, "temperature": 1}, 400, BAD, "best_of"),
     ({"messages": M, "spaces_between_special_tokens": False}, 400, BAD, "spaces_between_special_tokens"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, BAD, "messages.0.content"),
     (
