@@ -208,7 +208,7 @@ def test_a_stopped_worker_finishes_what_fits_its_grace_and_hands_the_rest_over(c
     # Two workers of a model of their own, with a grace that a short job fits in however slow the machine.
     model = "graceful"
     pair = [
-        cluster.start_worker(model, CHATQ_MODEL=str(cluster.settings.model_dir), CHATQ_STOP_GRACE="5") for _ in "ab"
+        cluster.start_worker(model, CHATQ_MODEL=str(cluster.settings.model_dir), CHATQ_STOP_GRACE="15") for _ in "ab"
     ]
     cluster.wait_live(*pair)
     try:
