@@ -612,6 +612,9 @@ class CompletionRequest(GenerationRequest):
             raise BadRequest(
                 f"prompt list length {len(prompts)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt"
             )
+        if len(prompts) * self.n > MAX_PROMPTS:
+            # A job's choices all wait in one worker's queue, ahead of later jobs (as MAX_N bounds them).
+            raise BadRequest(f"A batch may ask for at most {MAX_PROMPTS} choices in all (prompts times n).", "n")
         if any(not p for p in prompts):
             raise BadRequest("The prompt must not be empty.", "prompt")
 

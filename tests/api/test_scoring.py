@@ -177,6 +177,7 @@ def test_echo_logprobs_stream_as_whole(http: httpx.Client):
         ({"max_tokens": 0}, "max_tokens", "at least 1"),
         ({"prompt": ["a"] * 1025}, "prompt", "maximum allowed count of 1024"),
         ({"prompt": ["a", ""]}, "prompt", "must not be empty"),
+        ({"prompt": ["a"] * 512, "n": 3}, "n", "at most 1024 choices in all"),
     ],
 )
 def test_scoring_requests_vllm_refuses_are_refused(http: httpx.Client, body, param, words):
