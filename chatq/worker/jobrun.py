@@ -29,6 +29,7 @@ from chatq.worker.grammar import Grammar, GrammarCompiler
 from chatq.worker.parse import JoinedDeltas, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
+from chatq.worker.sampler import SamplingParams
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,10 @@ class JobRun:
                 params = dataclasses.replace(params, max_tokens=max_tokens)
                 self.choices.append(self._choice(p * req.n + i, p, prompt_ids, params, echo, settings))
 
-    def _choice(self, index: int, p: int, prompt_ids: list[int], params, echo: str, settings: Settings) -> Choice:
+    def _choice(
+        self, index: int, p: int, prompt_ids: list[int], params: SamplingParams, echo: str, settings: Settings
+    ) -> Choice:
+        """Choice `index`, which answers prompt `p`."""
         req = self.job.request
         seq = Sequence(f"{self.job.id}/{index}", prompt_ids, params, priority=req.priority, format=self.plan.grammar)
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
