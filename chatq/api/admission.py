@@ -33,9 +33,10 @@ class ServedModel:
         body.check()
         return self.admit(body, self.renderer.render(body).ids)
 
-    def text_prompt(self, body: CompletionRequest) -> list[int]:
+    def text_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """Each of the request's prompts as it will run."""
         body.check()
-        return self.admit(body, self.renderer.encode(body.prompt, body.add_special_tokens))
+        return [self.admit(body, self.renderer.encode(p, body.add_special_tokens)) for p in body.prompts]
 
     def admit(self, body: GenerationRequest, prompt_ids: list[int]) -> list[int]:
         """Checks that need the tokenizer or the context length; returns the prompt as it will run."""

@@ -150,14 +150,14 @@ SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
     model = await svc.models.get(body.model, need_worker=not body.background)
     prompt_ids = await svc.models.off_loop(model.chat_prompt, body)
-    return await _respond(svc, body, "chat", model.name, prompt_ids, request, sub)
+    return await _respond(svc, body, "chat", model.name, [prompt_ids], request, sub)
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
     model = await svc.models.get(body.model, need_worker=not body.background)
-    prompt_ids = await svc.models.off_loop(model.text_prompt, body)
-    return await _respond(svc, body, "text", model.name, prompt_ids, request, sub)
+    prompts = await svc.models.off_loop(model.text_prompts, body)
+    return await _respond(svc, body, "text", model.name, prompts, request, sub)
 
 
 @router.get("/v1/chat/completions")
@@ -314,7 +314,7 @@ async def _respond(
     body: ChatCompletionRequest | CompletionRequest,
     kind: Literal["chat", "text"],
     model: str,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     request: Request,
     sub: Submit,
 ) -> Any:
@@ -325,7 +325,7 @@ async def _respond(
     """
     request_id = sub.request_id or body.request_id
     job, position, created = await svc.store.submit(
-        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
+        body, kind, model, prompts, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
     )
     answer = await _answer(svc, body, job, position, request, created and not body.background)
     answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`: the id to look the job up by

@@ -18,7 +18,7 @@ class TokenInfo:
     that holds part of a character, whose text is U+FFFD: then they are what it holds, for a client to join."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token, which nothing comes before
     top: list[tuple[str, float, list[int] | None]]  # (token, logprob, bytes)
     offset: int = 0  # where its text begins in the choice's text (legacy text_offset)
     bytes: list[int] | None = None  # None: the token's UTF-8
@@ -55,7 +55,7 @@ def delta_json(delta: Delta) -> dict[str, Any]:
     return out
 
 
-def _entry(token: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
+def _entry(token: str, logprob: float | None, raw: list[int] | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode()) if raw is None else raw}
 
 
@@ -73,7 +73,9 @@ def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
-        "top_logprobs": [{t.token: t.logprob, **{s: lp for s, lp, _ in t.top}} for t in tokens],
+        "top_logprobs": [
+            None if t.logprob is None else {t.token: t.logprob, **{s: lp for s, lp, _ in t.top}} for t in tokens
+        ],
         "text_offset": [t.offset for t in tokens],
     }
 
@@ -170,14 +172,14 @@ def cancelled_while_queued(job: Job, opened: bool = False) -> tuple[list[dict[st
     ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
     no answer (a non-streamed one reading `choices[0]` finds it). `opened`: an earlier attempt's stream opened the
     choices already (the job waits for another worker to continue it)."""
-    req, formatter = job.request, formatter_for(job)
+    formatter = formatter_for(job)
     stream = []
-    for i in range(req.n):
+    for i in range(job.num_choices):
         first = None if opened else formatter.start(i)
         stream += [first] if first is not None else []
         stream.append(formatter.chunk(i, {}, None, "abort", None))
-    choices = [formatter.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
-    return stream, formatter.final(choices, usage(len(job.prompt_ids), 0))
+    choices = [formatter.final_choice(i, "", None, [], None, "abort", None) for i in range(job.num_choices)]
+    return stream, formatter.final(choices, usage(job.prompt_tokens, 0))
 
 
 class TextFormatter(ChatFormatter):
@@ -219,7 +221,7 @@ class TextFormatter(ChatFormatter):
         if not logprobs:
             return []
         columns = zip(*(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), strict=True)
-        return [TokenInfo(t, lp, [(s, v, None) for s, v in top.items()], o) for t, lp, top, o in columns]
+        return [TokenInfo(t, lp, [(s, v, None) for s, v in (top or {}).items()], o) for t, lp, top, o in columns]
 
     def final_choice(
         self,

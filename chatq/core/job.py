@@ -37,7 +37,9 @@ class Job(BaseModel):
     request: ChatCompletionRequest | CompletionRequest
     attempts: int = 0
     worker: str | None = None
-    prompt_ids: list[int] = Field(default_factory=list)
+    prompt_ids: list[int] = Field(default_factory=list)  # the prompt as it runs; of a batch, the first
+    # A legacy request's batch of prompts, each as it runs, in order (empty for one prompt): each has its `n` choices.
+    batch: list[list[int]] = Field(default_factory=list)
     completion_tokens: int = 0
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
@@ -49,6 +51,20 @@ class Job(BaseModel):
     response: dict[str, Any] | None = None
     # When the job ended (unix seconds), as its worker wrote it; read only.
     finished: float | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Every prompt, in order: choice i answers prompt i // n."""
+        return self.batch or [self.prompt_ids]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's prompt_tokens: each prompt counted once, whatever its number of choices."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.request.n
 
     def to_redis(self) -> dict[str, str]:
         out = {
@@ -65,6 +81,8 @@ class Job(BaseModel):
             out["worker"] = self.worker
         if self.prompt_ids:
             out["prompt_ids"] = json.dumps(self.prompt_ids)
+        if self.batch:
+            out["batch"] = json.dumps(self.batch)
         if self.result is not None:
             out["result"] = json.dumps(self.result)
         if self.error is not None:
@@ -93,6 +111,7 @@ class Job(BaseModel):
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker"),
             prompt_ids=json.loads(h.get("prompt_ids", "[]")),
+            batch=json.loads(h.get("batch", "[]")),
             completion_tokens=int(h.get("completion_tokens", 0)),
             result=json.loads(h["result"]) if "result" in h else None,
             error=json.loads(h["error"]) if "error" in h else None,

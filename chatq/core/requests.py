@@ -92,7 +92,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,
     "use_beam_search": None,
     "length_penalty": 1.0,
-    "prompt_logprobs": None,
     "bad_words": None,
     "allowed_token_ids": None,
     "logprob_token_ids": None,
@@ -121,6 +120,8 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "prompt_embeds": None,
 }
 MAX_TOP_LOGPROBS = 20
+# vLLM's limit on a legacy request's list of prompts (VLLM_MAX_COMPLETION_PROMPTS).
+MAX_PROMPTS = 1024
 # OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
 MAX_N = 128
 # Bounds on a request's lists, so a body within CHATQ_MAX_BODY_BYTES still renders in bounded time: far above what a
@@ -243,6 +244,8 @@ class GenerationRequest(BaseModel):
     min_tokens: int = bounded(0, Range("min_tokens must be at least 0", minimum=0))
     ignore_eos: bool = False
     echo: bool = False
+    # Each prompt token's logprob (but the first's) and the k likeliest at its place; -1 would be the whole vocabulary.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     user: str | None = None
@@ -309,8 +312,9 @@ class GenerationRequest(BaseModel):
         for name, allowed in self._ranges():
             allowed.check(getattr(self, name), name)
         need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
-        # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
-        token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
+        if not self.scores_only:
+            # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
+            token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
         need(
             self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
             "min_tokens must be less than or equal to max_tokens",
@@ -329,7 +333,29 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens must be -1 or at least 1",
             "truncate_prompt_tokens",
         )
+        self._check_prompt_logprobs()
         self._check_structured()
+
+    @property
+    def scores_only(self) -> bool:
+        """Whether the request only scores its prompt, generating nothing it shows."""
+        return False
+
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's rules and words."""
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if self.stream and (k > 0 or k == -1):
+            raise BadRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if k < -1:
+            raise BadRequest("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        if k == -1 or k > MAX_TOP_LOGPROBS:
+            asked = "the whole vocabulary" if k == -1 else k
+            raise BadRequest(
+                f"Requested prompt logprobs of {asked}, which is greater than max allowed: {MAX_TOP_LOGPROBS}",
+                "prompt_logprobs",
+            )
 
     @classmethod
     def _ranges(cls) -> Iterator[tuple[str, Range]]:
@@ -463,6 +489,14 @@ class ChatCompletionRequest(GenerationRequest):
         """How many alternatives per token to report, or None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives per prompt token to report, or None for no prompt logprobs: vLLM makes them for an
+        echo too, `top_logprobs` of them."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
     def check(self) -> None:
         super().check()
         if len(self.messages) > MAX_MESSAGES:
@@ -531,7 +565,8 @@ def chat_range(name: str) -> Range:
 class CompletionRequest(GenerationRequest):
     """The legacy /v1/completions body: a prompt instead of messages."""
 
-    prompt: str | list[int]
+    # One prompt (text or token ids), or a batch of them: each gets its `n` choices, indexed in order.
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
@@ -539,31 +574,48 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        # vLLM also takes a batch (strings or id lists); here one request is one job. A batch of one is that prompt
-        # (LangChain's OpenAI LLM always sends a list).
-        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
-            if len(v) == 1:
-                return v[0]
-            raise ValueError("A batch of prompts is not supported: send one prompt (text or token ids) per request.")
+        # A batch of one is that prompt (LangChain's OpenAI LLM always sends a list).
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            return v[0]
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one, or each of a batch."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM makes them for an echo with logprobs too, `logprobs` of them: the echoed prompt's entries."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def scores_only(self) -> bool:
+        # vLLM's way to score a prompt: its echo, and no generated token shown.
+        return self.echo and self.max_tokens == 0
+
     def check(self) -> None:
         super().check()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
-        if self.echo and self.logprobs is not None:
-            # A scoring client (lm-evaluation-harness) reads the echoed prompt's logprobs, which are not computed:
-            # the generated tokens' alone would score it wrongly and without an error.
+        prompts = self.prompts
+        if len(prompts) > MAX_PROMPTS:
             raise BadRequest(
-                "`echo` with `logprobs` is not supported until prompt logprobs are: only the generated tokens' "
-                "logprobs would be returned, not the prompt's.",
-                "echo",
+                f"prompt list length {len(prompts)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt"
             )
-        if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
+        if len(prompts) * self.n > MAX_PROMPTS:
+            # A job's choices all wait in one worker's queue, ahead of later jobs (as MAX_N bounds them).
+            raise BadRequest(f"A batch may ask for at most {MAX_PROMPTS} choices in all (prompts times n).", "n")
+        if any(not p for p in prompts):
             raise BadRequest("The prompt must not be empty.", "prompt")
 
 

@@ -7,6 +7,7 @@ before the loop takes it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -20,7 +21,7 @@ from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
-from chatq.core.requests import ChatCompletionRequest
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
@@ -28,6 +29,7 @@ from chatq.worker.grammar import Grammar, GrammarCompiler
 from chatq.worker.parse import JoinedDeltas, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
+from chatq.worker.sampler import SamplingParams
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class Choice:
     seq: Sequence
     text: TextStream
     parser: Parser
+    prompt: int = 0  # which of the job's prompts it answers
+    echo: str = ""  # the text it echoes first
+    echo_pending: bool = False  # its echo waits for the prompt's logprobs, which come with its first token
     message: JoinedDeltas = field(default_factory=JoinedDeltas)
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
@@ -89,46 +94,59 @@ class JobRun:
 
     def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
         job, req = self.job, self.job.request
-        self.chunks, self.echo, self.include_reasoning = self._formatting()
+        self.chunks = chunks.formatter_for(job)
+        self.include_reasoning = req.include_reasoning if isinstance(req, ChatCompletionRequest) else True
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        room = self.model.max_model_len - len(job.prompt_ids)
-        max_tokens = min(req.max_new_tokens or room, room)
-        self.plan = plan(req, max_tokens, self.eos_ids, self.model.sampling_defaults, compiler, settings)
+        self.plan = plan(req, 1, self.eos_ids, self.model.sampling_defaults, compiler, settings)
         # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
+        # A legacy echo's logprobs are the prompt's, made with its first token: the echo goes out then.
+        self.echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+        # vLLM samples one token to score a prompt, and shows none.
+        self.silent = req.scores_only
+        for p, prompt_ids in enumerate(job.prompts):
+            room = self.model.max_model_len - len(prompt_ids)
+            max_tokens = 1 if self.silent else min(req.max_new_tokens or room, room)
+            echo = self._echo(p, prompt_ids)
+            for i, params in enumerate(self.plan.params):
+                params = dataclasses.replace(params, max_tokens=max_tokens)
+                self.choices.append(self._choice(p * req.n + i, p, prompt_ids, params, echo, settings))
+
+    def _choice(
+        self, index: int, p: int, prompt_ids: list[int], params: SamplingParams, echo: str, settings: Settings
+    ) -> Choice:
+        """Choice `index`, which answers prompt `p`."""
+        req = self.job.request
+        seq = Sequence(f"{self.job.id}/{index}", prompt_ids, params, priority=req.priority, format=self.plan.grammar)
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
-        for i, params in enumerate(self.plan.params):
-            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority, format=self.plan.grammar)
-            text = TextStream(
-                self.decoder.tokenizer,
-                req.stop,
-                prompt_ids=job.prompt_ids,
-                skip_special_tokens=skip_special,
-                include_stop=req.include_stop_str_in_output,
-            )
-            # vLLM's engine holds the answer to its format (seq.format) by itself.
-            grammar = self.plan.grammar if settings.engine == "native" else None
-            choice = Choice(i, seq, text, self.plan.make_parser(), grammar=grammar)
-            self._constrain(choice)
-            self.choices.append(choice)
+        text = TextStream(
+            self.decoder.tokenizer,
+            req.stop,
+            prompt_ids=prompt_ids,
+            skip_special_tokens=skip_special,
+            include_stop=req.include_stop_str_in_output,
+        )
+        # vLLM's engine holds the answer to its format (seq.format) by itself.
+        grammar = self.plan.grammar if settings.engine == "native" else None
+        choice = Choice(index, seq, text, self.plan.make_parser(), p, echo, self.echo_logprobs, grammar=grammar)
+        self._constrain(choice)
+        return choice
 
-    def _formatting(self) -> tuple[chunks.ChatFormatter, str, bool]:
-        """The formatter of the job's chunks, the text it echoes, and whether reasoning is shown."""
-        job, req = self.job, self.job.request
+    def _echo(self, p: int, prompt_ids: list[int]) -> str:
+        """The text the choices of prompt `p` echo."""
+        req = self.job.request
         if isinstance(req, ChatCompletionRequest):
             last = req.messages[-1]
-            echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
-            return chunks.formatter_for(job), echo, req.include_reasoning
+            return (last.text() or "") if req.echo and last.role == req.response_role else ""
         # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
+        prompt = req.prompts[p]
         if not req.echo:
-            echo = ""
-        elif isinstance(req.prompt, str) and req.truncate_prompt_tokens is None:
-            echo = req.prompt
-        else:
-            echo = self.decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
-        return chunks.formatter_for(job), echo, True
+            return ""
+        if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
+            return prompt
+        return self.decoder.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     @property
     def finished(self) -> bool:
@@ -143,7 +161,9 @@ class JobRun:
         choices = self.choices if choices is None else choices
         completion = sum(len(c.seq.output_ids) for c in choices)
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
-        return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
+        prompts = self.job.prompts
+        prompt = sum(len(prompts[p]) for p in {c.prompt for c in choices})
+        return chunks.usage(prompt, completion, reasoning)
 
     def progress(self, now: float) -> int | None:
         """The completion tokens to write as the job's progress, when a write is due at `now` (time.monotonic())."""
@@ -155,7 +175,7 @@ class JobRun:
     def _metrics(self, end: JobEnd, now: float) -> dict[str, float]:
         """What the ended job adds to its model's metrics: its times, its usage's token counts, how it finished."""
         # A request refused here never generated: its usage counts nothing.
-        prompt = 0 if isinstance(self.error, BadRequest) else len(self.job.prompt_ids)
+        prompt = 0 if isinstance(self.error, BadRequest) else self.job.prompt_tokens
         reason = {JobStatus.failed: "error", JobStatus.cancelled: "abort"}.get(end.status)
         reason = reason or next((c.finish_reason for c in self.choices if c.finish_reason), None) or "stop"
         try:
@@ -190,11 +210,28 @@ class JobRun:
             first = self.chunks.start(c.index)
             if first is not None:
                 events.append(self._event(EventKind.chunk, first))
-            if self.echo:
-                echo = Delta(content=self.echo)
+            if c.echo and not c.echo_pending:
+                echo = Delta(content=c.echo)
                 c.message.add(echo)
                 events.append(self._chunk(c, echo))
         return events
+
+    def _echo_with_logprobs(self, choice: Choice) -> Event:
+        """The echo of a legacy choice, with its prompt's logprobs as vLLM lists them: the first token's null, then
+        each token's with the likeliest at its place, `logprobs` of them besides the token itself."""
+        choice.echo_pending = False
+        ids, entries, k = choice.seq.prompt_ids, choice.seq.prompt_logprobs, choice.seq.params.logprobs or 0
+        first = self.decoder.token(ids[0])
+        infos = [TokenInfo(first, None, [], 0)]
+        offset = len(first)
+        for token, e in zip(ids[1:], entries, strict=True):
+            info = self.decoder.info(token, e.logprob, [(t, lp) for t, lp in e.top if t != token][:k], offset)
+            infos.append(info)
+            offset += len(info.token)
+        choice.unsent_logprobs = infos + choice.unsent_logprobs
+        echo = Delta(content=choice.echo)
+        choice.message.add(echo)
+        return self._chunk(choice, echo, carries_ids=False)
 
     def handle(self, choice: Choice, out: Output, now: float) -> tuple[list[Event], list[str]]:
         """One engine output of the step that ended at `now`: its events, and the ids of the sequences the engine
@@ -226,9 +263,12 @@ class JobRun:
         """The events for one engine output, and whether the engine must drop the sequence (a stop string)."""
         if choice.finish_reason is not None:  # already ended by a stop string
             return [], False
+        events = []
+        if choice.echo_pending and out.token is not None:
+            events.append(self._echo_with_logprobs(choice))
         if out.token is not None:
             choice.unlogged.append(out.token)
-        delta, stop_now = self._take_token(choice, out)
+        delta, stop_now = (Delta(), False) if self.silent else self._take_token(choice, out)
         self._note_finish(choice, out)
         ending = choice.finish_reason in ("stop", "length")
         if ending:
@@ -242,7 +282,8 @@ class JobRun:
         # A cancelled choice ends its stream with `abort`, as a job cancelled while queued does (and as vLLM does):
         # a stream reader learns what a poller sees. That chunk, the last, carries the token ids with the finish.
         closes = ending or choice.finish_reason == "abort"
-        events = [self._chunk(choice, delta, carries_ids=not closes)] if delta else []
+        if delta:
+            events.append(self._chunk(choice, delta, carries_ids=not closes))
         if closes:
             finish = self.chunks.chunk(
                 choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
@@ -262,14 +303,19 @@ class JobRun:
         after its last logged event; the next event continues the stream with the next number."""
         self.resumed = True
         for c in self.choices:
-            if self.echo:
-                c.message.add(Delta(content=self.echo))
+            if c.echo and not c.echo_pending:
+                c.message.add(Delta(content=c.echo))
         for event in log:
-            if event.ids and event.data and event.data.get("choices"):
-                logged = event.data["choices"][0]
-                choice = self.choices[logged["index"]]
+            if event.event is not EventKind.chunk or not event.data or not event.data.get("choices"):
+                continue
+            logged = event.data["choices"][0]
+            choice = self.choices[logged["index"]]
+            if choice.echo_pending:  # a choice's first chunk is its echo
+                choice.echo_pending = False
+                choice.message.add(Delta(content=choice.echo))
+            choice.logprobs.extend(self.chunks.read_logprobs(logged.get("logprobs")))
+            if event.ids:
                 self._replay(choice, event.ids, logged.get("finish_reason"))
-                choice.logprobs.extend(self.chunks.read_logprobs(logged.get("logprobs")))
         self.last_seq = log[-1].seq if log else 0
 
     def _replay(self, choice: Choice, ids: list[int], finish_reason: str | None) -> None:
@@ -295,7 +341,7 @@ class JobRun:
             return Delta(), False
         if out.logprob is not None and not self.hide_logprobs:
             # Where the token's text begins: after the echo and all text decoded so far, held back or not.
-            offset = len(self.echo) + choice.text.decoded
+            offset = len(choice.echo) + choice.text.decoded
             choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset))
         # min_tokens holds off stop strings as well as stop tokens.
         piece = choice.text.add(out.token, check_stops=seq.past_min_tokens)
@@ -372,6 +418,11 @@ class JobRun:
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, tokens, error=body["error"])
         result = self.chunks.final([self._final_choice(c) for c in self.choices], self.usage())
+        if (
+            isinstance(self.job.request, ChatCompletionRequest)
+            and self.choices[0].seq.params.prompt_logprobs is not None
+        ):
+            result["prompt_logprobs"] = self._prompt_logprobs(self.choices[0].seq)  # vLLM's place for them in chat
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         req = self.job.request
@@ -392,6 +443,22 @@ class JobRun:
         logprobs = None
         if c.seq.params.logprobs is not None and not self.hide_logprobs:
             logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs)
-        return self.chunks.final_choice(
+        final = self.chunks.final_choice(
             c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
         )
+        if isinstance(self.job.request, CompletionRequest) and c.seq.params.prompt_logprobs is not None:
+            final["prompt_logprobs"] = self._prompt_logprobs(c.seq)
+        return final
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: null for the first token, then for each a map of token id to its logprob, rank and
+        text, the prompt's token first and the likeliest after it."""
+        out: list[dict[str, Any] | None] = [None]
+        # Fewer than the prompt's only where the job ended before its prompt was read (cancelled, failed).
+        for token, e in zip(seq.prompt_ids[1:], seq.prompt_logprobs, strict=False):
+            ranked = [(token, e.logprob, e.rank)] + [(t, lp, r) for r, (t, lp) in enumerate(e.top, 1)]
+            entry: dict[str, Any] = {}
+            for t, lp, rank in ranked:
+                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self.decoder.token(t)})
+            out.append(entry)
+        return out

@@ -54,6 +54,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
             logprobs=req.num_logprobs,
+            prompt_logprobs=req.num_prompt_logprobs,
         )
         for i in range(req.n)
     ]

@@ -34,6 +34,8 @@ class SamplingParams:
     # Every id that ends the sequence: EOS (unless ignore_eos) and the request's stop_token_ids.
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely
+    # None: none; k: each prompt token's logprob (but the first's), its rank and the k most likely at its place.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +81,7 @@ class Row:
 class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # among the vocabulary, 1 the most likely (given for a prompt token's)
 
 
 def to_device(device: torch.device, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

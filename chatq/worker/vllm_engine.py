@@ -164,6 +164,8 @@ class VllmEngine:
             stop_token_ids=sorted(stops),
             ignore_eos=True,
             logprobs=p.logprobs,
+            # Of the prompt vLLM is given, which holds the output so far of a sequence taken up with some.
+            prompt_logprobs=p.prompt_logprobs if seq.scoring else None,
             structured_outputs=grammar,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
@@ -177,6 +179,13 @@ class VllmEngine:
         if seq is None:  # ended here already
             return []
         done = request.outputs[0]
+        if seq.scoring and request.prompt_logprobs:
+            k = seq.params.prompt_logprobs or 0
+            # The first token has none; the first prompt's positions are the sequence's prompt.
+            entries = list(request.prompt_logprobs)[1 : len(seq.prompt_ids)]
+            seq.prompt_logprobs = [
+                token_logprob(t, e, k, ranked=True) for t, e in zip(seq.prompt_ids[1:], entries, strict=True)
+            ]
         outputs = []
         for i, token in enumerate(done.token_ids):
             finish = seq.take(token, self.max_model_len)
@@ -261,8 +270,10 @@ class StatsRecorder:
         pass
 
 
-def token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:
-    """vLLM's logprobs at one position (the sampled token's and the k most likely, each with its rank) as chatq's."""
-    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
-    top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in ranked[:k]]
-    return TokenLogprob(max(entries[token].logprob, LOGPROB_FLOOR), top)
+def token_logprob(token: int, entries: Mapping[int, Any], k: int, ranked: bool = False) -> TokenLogprob:
+    """vLLM's logprobs at one position (the sampled or prompt token's and the k most likely, each with its rank) as
+    chatq's; `ranked`: with the token's rank, as a prompt token's entry has it."""
+    by_rank = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
+    top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in by_rank[:k]]
+    mine = entries[token]
+    return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), top, mine.rank if ranked else None)

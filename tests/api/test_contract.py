@@ -252,7 +252,7 @@ def test_legacy_completions(client, model_name, http):
     choice = resp.choices[0]
     assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
     assert choice.text.startswith("The capital of France is") and len(choice.text) > len("The capital of France is")
-    # Logprobs without echo: with it they would have to be the prompt's (a 400 until they are).
+    # Logprobs without echo (with it, the prompt's come first: tests/api/test_scoring.py).
     scored = client.completions.create(
         model=model_name, prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=2
     ).choices[0]

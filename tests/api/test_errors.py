@@ -156,25 +156,6 @@ def test_invalid_text_completion_is_refused(http, r, model_name, body, param):
     assert snapshot(r, model_name) == before
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]]])
-def test_a_batch_of_prompts_is_refused_as_one(http, r, model_name, prompt):
-    before = snapshot(r, model_name)
-    error = assert_error(http.post("/v1/completions", json={"prompt": prompt}), 400, BAD, "prompt")
-    assert "batch of prompts is not supported" in error["message"]
-    assert snapshot(r, model_name) == before
-
-
-@pytest.mark.parametrize("logprobs", [0, 5])
-@pytest.mark.parametrize("stream", [False, True])
-def test_legacy_echo_with_logprobs_is_refused_until_prompt_logprobs_are(http, r, model_name, logprobs, stream):
-    # A scoring client reads the echoed prompt's logprobs: the generated tokens' alone would score it wrongly.
-    before = snapshot(r, model_name)
-    body = {"prompt": "The capital of France is", "max_tokens": 1, "echo": True, "logprobs": logprobs, "stream": stream}
-    error = assert_error(http.post("/v1/completions", json=body), 400, BAD, "echo")
-    assert "`echo` with `logprobs` is not supported" in error["message"] and "prompt logprobs" in error["message"]
-    assert snapshot(r, model_name) == before
-
-
 @pytest.mark.parametrize("schema", UNCOMPILABLE_SCHEMAS)
 @pytest.mark.parametrize("where", ["response_format", "structured_outputs", "tools"])
 def test_a_schema_the_grammar_engine_cannot_compile_is_a_400(http, r, model_name, schema, where):

@@ -422,3 +422,48 @@ def test_a_fast_path_failing_at_run_time_is_turned_off_and_the_step_runs_again(m
             done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts[:3])])
         assert engine.mode == "plain" and engine.graphs is None
     assert [done[str(i)].output_ids for i in range(3)] == reference[:3]
+
+
+def expected_prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[float, int, list[int]]]:
+    """transformers' log_softmax over the prompt: each token's logprob (but the first's), its rank, the k likeliest."""
+    with torch.inference_mode():
+        lp = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+    out = []
+    for p, token in enumerate(ids[1:]):
+        out.append((float(lp[p, token]), int((lp[p] >= lp[p, token]).sum()), lp[p].topk(k).indices.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_prompt_logprobs_equal_transformers_log_softmax(model, prompts, chunk):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=chunk, max_model_len=8192)
+    run(engine, [greedy(9, prompts[0])])  # its blocks are in the prefix cache now, which scoring must not skip
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
+        for i, ids in enumerate(prompts[:3])
+    ]
+    done = run(engine, seqs)
+    assert engine.blocks.hits == 0
+    done |= run(engine, [greedy(8, prompts[3])])
+    for i, ids in enumerate(prompts[:3]):
+        got = done[str(i)].prompt_logprobs
+        want = expected_prompt_logprobs(model, ids, 3)
+        assert len(got) == len(ids) - 1
+        for entry, (logprob, rank, top) in zip(got, want, strict=True):
+            assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+            assert entry.rank == rank
+            assert [t for t, _ in entry.top] == top
+    assert done["8"].prompt_logprobs == []
+
+
+def test_a_preempted_sequence_scores_its_prompt_once(model, prompts):
+    engine = Engine(model, kv_tokens=160, block_size=16, prefill_chunk=16, max_model_len=80)
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=0))
+        for i, ids in enumerate(prompts[:3])
+    ]
+    done = run(engine, seqs)
+    assert engine.stats.preemptions
+    for i, ids in enumerate(prompts[:3]):
+        want = expected_prompt_logprobs(model, ids, 1)
+        assert [e.logprob for e in done[str(i)].prompt_logprobs] == pytest.approx([w[0] for w in want], abs=1e-4)

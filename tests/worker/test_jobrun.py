@@ -119,11 +119,15 @@ def test_legacy_echo_is_the_prompt_as_sent_and_top_logprobs_hold_the_sampled_tok
     run.start()
     c = run.choices[0]
     sampled, likelier = ids(decoder, " yes")[0], ids(decoder, " no")[0]
+    c.seq.prompt_logprobs = [TokenLogprob(-1.0, [(likelier, -0.5)], 2) for _ in c.seq.prompt_ids[1:]]
     c.seq.output_ids.append(sampled)
     run.on_output(c, Output(c.seq, sampled, Finish.length, TokenLogprob(-2.0, [(likelier, -0.5)])))
     [choice] = run.end()[1].result["choices"]
     assert choice["text"] == prompt + " yes"
-    assert choice["logprobs"]["top_logprobs"] == [{" yes": -2.0, " no": -0.5}]
+    # The prompt's tokens first, the first with nothing before it.
+    tops = choice["logprobs"]["top_logprobs"]
+    assert len(tops) == len(c.seq.prompt_ids) + 1 and tops[0] is None
+    assert tops[-1] == {" yes": -2.0, " no": -0.5}
 
 
 def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple[list, dict]:
@@ -334,6 +338,8 @@ def _feed(run: JobRun, tokens: list[int], events: list, steps: list[int] | None 
     """Adds the events of `tokens` (the last one EOS), handed over one a step as the engine would, with made-up
     logprobs; the result. `steps` gets the number of events after each step that leaves the job running."""
     c = run.choices[0]
+    if c.seq.params.prompt_logprobs is not None:  # as the prefill before the first token makes them
+        c.seq.prompt_logprobs = [TokenLogprob(-1.0 - i, [(i + 3, -0.5)], 2) for i in range(len(c.seq.prompt_ids) - 1)]
     for t in tokens[len(c.seq.output_ids) :]:
         if c.seq.grammar is not None:
             c.seq.grammar.accept(t)
@@ -370,8 +376,9 @@ def test_a_job_resumed_from_any_point_of_its_log_continues_it_exactly(decoder, c
     fields, text, settings = RESUMED[case]
     settings = settings or Settings(reasoning_parser="qwen3")
     if fields is None:
-        request = CompletionRequest(prompt="Say", echo=True, logprobs=2, stream=True)
-        the_job = Job(id="cmpl-resumed", model="m", kind="text", request=request, prompt_ids=ids(decoder, "Say"))
+        request = CompletionRequest(prompt="Say it twice", echo=True, logprobs=2, stream=True)
+        prompt_ids = ids(decoder, "Say it twice")
+        the_job = Job(id="cmpl-resumed", model="m", kind="text", request=request, prompt_ids=prompt_ids)
     else:
         the_job = job(**fields)
     info = model_info(200, (2,))
