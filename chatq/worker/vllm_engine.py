@@ -148,7 +148,7 @@ class VllmEngine:
             # A complete grammar allows only EOS, which ends the sequence even where the request ignores EOS, as
             # chatq's engine ends it.
             stops |= self.eos_token_ids
-        return SamplingParams(
+        params = SamplingParams(
             temperature=0.0 if p.greedy else p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
@@ -163,11 +163,16 @@ class VllmEngine:
             # chatq's stop ids hold EOS unless the request ignores it: vLLM's own EOS rule would end it regardless.
             stop_token_ids=sorted(stops),
             ignore_eos=True,
-            logprobs=p.logprobs,
+            logprobs=None if p.logprob_ids else p.logprobs,
+            logprob_token_ids=list(p.logprob_ids) or None,
+            allowed_token_ids=list(p.allowed_ids) or None,
             structured_outputs=grammar,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
+        # chatq tokenized the bad words as vLLM would; vLLM takes them as text only, tokenizing them itself.
+        params._bad_words_token_ids = [list(w) for w in p.bad_words] or None
+        return params
 
     def _outputs(self, request: Any) -> list[Output]:
         """One chatq output per new token of a vLLM RequestOutput (speculative decoding makes several a step), the
@@ -184,7 +189,7 @@ class VllmEngine:
                 finish = FINISHES.get(done.finish_reason)
             logprob = None
             if done.logprobs and seq.params.logprobs is not None:
-                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs)
+                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs, seq.params.logprob_ids)
             outputs.append(Output(seq, token, finish, logprob))
             if finish is not None:
                 self._close(seq, finish, stop_vllm=not request.finished)
@@ -261,8 +266,12 @@ class StatsRecorder:
         pass
 
 
-def token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:
-    """vLLM's logprobs at one position (the sampled token's and the k most likely, each with its rank) as chatq's."""
+def token_logprob(token: int, entries: Mapping[int, Any], k: int, named: tuple[int, ...] = ()) -> TokenLogprob:
+    """vLLM's logprobs at one position (the sampled token's and the k most likely, each with its rank; or, for
+    `named` ids, the sampled token's and theirs) as chatq's."""
+    if named:
+        listed = [(t, max(e.logprob, LOGPROB_FLOOR)) for t, e in entries.items()]
+        return TokenLogprob(max(entries[token].logprob, LOGPROB_FLOOR), listed)
     ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
     top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in ranked[:k]]
     return TokenLogprob(max(entries[token].logprob, LOGPROB_FLOOR), top)
