@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
-from chatq.core.render import Renderer
+from chatq.core.render import Renderer, bad_words_ids
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 
@@ -43,7 +43,8 @@ class ServedModel:
         prompt_ids = self._truncated(body, prompt_ids)
         self._check_lengths(body, len(prompt_ids))
         vocab = self.info.vocab_size
-        body.check_bias(vocab)
+        body.check_vocab(vocab)
+        bad_words_ids(self.renderer.tokenizer, body.bad_words)  # a word that makes no token is a 400 now
         if any(t >= vocab for t in body.stop_token_ids or []):
             raise BadRequest(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         if any(not 0 <= t < vocab for t in prompt_ids):

@@ -15,10 +15,11 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
-from chatq.core.requests import ChatCompletionRequest, Message
+from chatq.core.requests import MAX_BAD_WORDS, ChatCompletionRequest, Message
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,25 @@ class Renderer:
         # encode_batch, not encode: only the batch call lets go of the GIL while it runs, so a long prompt tokenized
         # in a thread leaves the API's event loop running.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences `bad_words` forbid, as vLLM makes them: each word as it begins a text and, where that
+    differs by its first token only, as it follows a space; a word's last token is then blocked after the rest."""
+    found: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+        if not bare:
+            raise BadRequest("bad_words entries must tokenize to at least one token.", "bad_words")
+        found.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            found.append(spaced)
+    if len(found) > MAX_BAD_WORDS:
+        raise BadRequest(
+            f"Too many bad words after tokenization: {len(found)}. The max number is {MAX_BAD_WORDS}.", "bad_words"
+        )
+    return found
 
 
 def _cut_after_final(text: str, last: Message, as_parts: bool) -> str:

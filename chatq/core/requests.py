@@ -80,8 +80,6 @@ class StreamOptions(BaseModel):
 # Fields chatq does not honour, with the value that asks for nothing (as null and empty do, and false where it is
 # null): any other is a 400, never ignored.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "return_tokens_as_token_ids": None,
-    "return_token_ids": None,
     "audio": None,
     "modalities": ["text"],
     "prediction": None,
@@ -92,9 +90,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,
     "use_beam_search": None,
     "length_penalty": 1.0,
-    "bad_words": None,
-    "allowed_token_ids": None,
-    "logprob_token_ids": None,
     "thinking_token_budget": None,
     "chat_template": None,
     "spaces_between_special_tokens": True,
@@ -113,15 +108,24 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
-    "repetition_detection": None,
     "watermarking": None,
     "routed_experts_prompt_start": 0,
     "return_prompt_text": None,
     "prompt_embeds": None,
 }
+# Names some clients send for vLLM's repetition detection, which takes them inside `repetition_detection`: refused by
+# name rather than ignored, so a client learns where they go.
+MISPLACED_FIELDS = {
+    "max_repetition_pattern_size": "repetition_detection.max_pattern_size",
+    "min_repetition_pattern_size": "repetition_detection.min_pattern_size",
+    "repetition_min_count": "repetition_detection.min_count",
+}
 MAX_TOP_LOGPROBS = 20
 # vLLM's limit on a legacy request's list of prompts (VLLM_MAX_COMPLETION_PROMPTS).
 MAX_PROMPTS = 1024
+# vLLM's limits: the ids one request may ask logprobs of, and the token sequences its bad words may make.
+MAX_LOGPROB_TOKEN_IDS = 128
+MAX_BAD_WORDS = 128
 # OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
 MAX_N = 128
 # Bounds on a request's lists, so a body within CHATQ_MAX_BODY_BYTES still renders in bounded time: far above what a
@@ -168,6 +172,30 @@ class StructuredOutputs(BaseModel):
             )
             if v is not None
         ]
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's repetition detection: the output ends, finish_reason "repetition", once its last tokens are a pattern of
+    min_pattern_size..max_pattern_size tokens repeated min_count times."""
+
+    max_pattern_size: int = 0  # 0: off
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RepetitionDetection:
+        # vLLM's rules and words; a ValueError here is a 400 naming the field.
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+                "Set both to 0 to disable repetitive pattern detection."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish to "
+                "detect repetitive patterns, set max_pattern_size to 0."
+            )
+        return self
 
 
 class Range:
@@ -253,6 +281,15 @@ class GenerationRequest(BaseModel):
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Token filters, as vLLM applies them after the logprobs are taken: only these ids may be sampled; these words
+    # may not be completed (see chatq.core.render.bad_words_ids).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    repetition_detection: RepetitionDetection | None = None
+    # Logprobs of exactly these ids (and the sampled one) at each position, in place of the most likely ones.
+    logprob_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids, beside the text
+    return_tokens_as_token_ids: bool | None = None  # logprob entries name tokens as "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +341,10 @@ class GenerationRequest(BaseModel):
             asks_nothing = value in (None, [], {}) or value == harmless or harmless is None and value is False
             if not asks_nothing:
                 raise BadRequest(f"`{name}` is not supported by this server", name)
+        for name, place in MISPLACED_FIELDS.items():
+            if extra.get(name) is not None:
+                message = f"`{name}` is not a field of this server: vLLM's repetition detection is `{place}`."
+                raise BadRequest(message, name)
 
         def need(ok: bool, message: str, param: str) -> None:
             if not ok:
@@ -335,6 +376,34 @@ class GenerationRequest(BaseModel):
         )
         self._check_prompt_logprobs()
         self._check_structured()
+        self._check_token_filters()
+
+    def _check_token_filters(self) -> None:
+        """vLLM's checks of the token filters and logprob ids that need no vocabulary (check_vocab has those)."""
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BadRequest("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        if any(not word for word in self.bad_words):
+            raise BadRequest("bad_words cannot contain an empty string.", "bad_words")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise BadRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words.", "bad_words")
+        if self.logprob_token_ids and self.num_logprobs is None:
+            raise BadRequest(f"when using `logprob_token_ids`, {self.logprobs_needed}.", "logprob_token_ids")
+        if len(self.logprob_token_ids or []) > MAX_LOGPROB_TOKEN_IDS:
+            raise BadRequest(
+                f"Requested logprob_token_ids of length {len(self.logprob_token_ids or [])}, which is greater than "
+                f"max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                "logprob_token_ids",
+            )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return None
+
+    @property
+    def logprobs_needed(self) -> str:
+        """What logprob_token_ids needs of the request, in vLLM's words."""
+        return "`logprobs` must be set"
 
     @property
     def scores_only(self) -> bool:
@@ -408,7 +477,20 @@ class GenerationRequest(BaseModel):
             elif so.json_ is not None:
                 check_schema(so.json_, "structured_outputs")
 
-    def check_bias(self, vocab_size: int) -> None:
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the request names must be one of the model's: logit_bias keys (the error lists each one
+        that is not), allowed_token_ids and logprob_token_ids (worded as vLLM words them)."""
+        self._check_bias(vocab_size)
+        if any(not 0 <= t < vocab_size for t in self.allowed_token_ids or []):
+            raise BadRequest("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+        bad = [t for t in self.logprob_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(
+                f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                "logprob_token_ids",
+            )
+
+    def _check_bias(self, vocab_size: int) -> None:
         """Every logit_bias key must be a token id of the model; the error lists each one that is not."""
 
         def ok(key: str) -> bool:
@@ -486,7 +568,6 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def num_logprobs(self) -> int | None:
-        """How many alternatives per token to report, or None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
@@ -496,6 +577,10 @@ class ChatCompletionRequest(GenerationRequest):
         if self.prompt_logprobs is None and self.echo:
             return self.top_logprobs or 0
         return self.prompt_logprobs
+
+    @property
+    def logprobs_needed(self) -> str:
+        return "`logprobs` must be set to true"
 
     def check(self) -> None:
         super().check()

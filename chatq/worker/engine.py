@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 class Finish(StrEnum):
     stop = "stop"  # EOS or a stop token id
     length = "length"  # max_tokens or the model's context
+    repetition = "repetition"  # the output repeats a pattern (repetition_detection)
     cancelled = "cancelled"
     error = "error"
 
@@ -101,6 +102,9 @@ class Sequence:
             return Finish.stop
         if len(self.output_ids) >= self.params.max_tokens or len(self) >= max_len:
             return Finish.length
+        rep = self.params.repetition
+        if rep is not None and len(self.output_ids) >= self.params.min_tokens and repeats(self.output_ids, *rep):
+            return Finish.repetition
         return None
 
     def constrain(self, grammar: Grammar) -> None:
@@ -598,6 +602,18 @@ def _score(scored: list[Scored], logits: torch.Tensor) -> None:
             top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
             s.seq.prompt_logprobs.append(TokenLogprob(chosen_list[row], top, ranks[row]))
             row += 1
+
+
+def repeats(output: list[int], smallest: int, largest: int, count: int) -> bool:
+    """Whether the output ends in a pattern of `smallest`..`largest` tokens repeated `count` times: vLLM's check,
+    which tries the sizes upward and stops at the first the output is too short for."""
+    for size in range(max(smallest, 1), largest + 1):
+        if size * count > len(output):
+            return False
+        tail = output[-size:]
+        if all(output[len(output) - size * (m + 1) : len(output) - size * m] == tail for m in range(1, count)):
+            return True
+    return False
 
 
 def _tokens(seq: Sequence, start: int, end: int) -> list[int]:

@@ -21,6 +21,7 @@ from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
+from chatq.core.render import bad_words_ids
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder, TextStream
@@ -35,6 +36,8 @@ from chatq.worker.timing import JobClock
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
+# How a logged finish_reason ends a replayed sequence; any other ends it as a stop.
+_FINISHES = {"length": Finish.length, "repetition": Finish.repetition}
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
+    prompt_ids_sent: bool = False  # a legacy stream's first chunk of the choice carries the prompt's ids
 
 
 class JobRun:
@@ -98,9 +102,12 @@ class JobRun:
         self.include_reasoning = req.include_reasoning if isinstance(req, ChatCompletionRequest) else True
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        self.plan = plan(req, 1, self.eos_ids, self.model.sampling_defaults, compiler, settings)
-        # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
+        bad_words = bad_words_ids(self.decoder.tokenizer, req.bad_words)
+        self.plan = plan(req, 1, self.eos_ids, self.model.sampling_defaults, compiler, settings, bad_words)
+        # Hidden reasoning stays hidden: its tokens would show in logprobs and token ids (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
+        self.return_ids = bool(req.return_token_ids) and not self.hide_logprobs
+        self.as_ids = bool(req.return_tokens_as_token_ids)
         # A legacy echo's logprobs are the prompt's, made with its first token: the echo goes out then.
         self.echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
         # vLLM samples one token to score a prompt, and shows none.
@@ -191,11 +198,21 @@ class JobRun:
         ids = None
         if choice is not None and choice.unlogged:
             ids, choice.unlogged = choice.unlogged, []
+        if self.return_ids and choice is not None and data is not None:
+            self._add_ids(choice, data["choices"][0], ids or [])
         event = Event(seq=self.last_seq, event=kind, data=data, ids=ids)
         # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
         # no UTF-8 encoder takes) would fail every job's writes.
         event.to_json()
         return event
+
+    def _add_ids(self, choice: Choice, data: dict[str, Any], ids: list[int]) -> None:
+        """return_token_ids, where vLLM streams them: a chunk's token ids in its choice; the prompt's in the first
+        chunk of a legacy choice (a chat stream's opening chunks carry them, from start())."""
+        data["token_ids"] = ids
+        if self.job.kind == "text" and not choice.prompt_ids_sent:
+            data["prompt_token_ids"] = self.job.prompts[choice.prompt]
+            choice.prompt_ids_sent = True
 
     def _chunk(self, choice: Choice, delta: Delta, carries_ids: bool = True) -> Event:
         logprobs = self._take_logprobs(choice)
@@ -209,6 +226,8 @@ class JobRun:
         for c in self.choices:
             first = self.chunks.start(c.index)
             if first is not None:
+                if self.return_ids:
+                    first["prompt_token_ids"] = self.job.prompts[c.prompt]
                 events.append(self._event(EventKind.chunk, first))
             if c.echo and not c.echo_pending:
                 echo = Delta(content=c.echo)
@@ -270,7 +289,7 @@ class JobRun:
             choice.unlogged.append(out.token)
         delta, stop_now = (Delta(), False) if self.silent else self._take_token(choice, out)
         self._note_finish(choice, out)
-        ending = choice.finish_reason in ("stop", "length")
+        ending = choice.finish_reason in ("stop", "length", "repetition")
         if ending:
             delta = self._closing(choice, delta)
         if not self.include_reasoning:
@@ -325,7 +344,7 @@ class JobRun:
             # string ends one the sequence would not have. The last token of a finished choice came with its finish.
             seq.take(token, self.model.max_model_len)
             ended = finish_reason is not None and i == len(ids) - 1
-            finish = (Finish.length if finish_reason == "length" else Finish.stop) if ended else None
+            finish = _FINISHES.get(finish_reason or "", Finish.stop) if ended else None
             self.on_output(choice, Output(seq, token, finish))
         choice.unlogged, choice.unsent_logprobs = [], []
 
@@ -342,7 +361,8 @@ class JobRun:
         if out.logprob is not None and not self.hide_logprobs:
             # Where the token's text begins: after the echo and all text decoded so far, held back or not.
             offset = len(choice.echo) + choice.text.decoded
-            choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset))
+            info = self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset, self.as_ids)
+            choice.unsent_logprobs.append(info)
         # min_tokens holds off stop strings as well as stop tokens.
         piece = choice.text.add(out.token, check_stops=seq.past_min_tokens)
         thinking = choice.parser.thinking
@@ -377,6 +397,8 @@ class JobRun:
             requested = last in seq.params.stop_token_ids and (req.ignore_eos or last not in self.eos_ids)
             if out.finish is Finish.stop and requested:
                 choice.stop_reason = last
+            elif out.finish is Finish.repetition:
+                choice.stop_reason = "repetition_detected"  # vLLM's
 
     def _closing(self, choice: Choice, delta: Delta) -> Delta:
         """What the choice's last output adds once it ends: text held back, and what the parser held."""
@@ -423,6 +445,8 @@ class JobRun:
             and self.choices[0].seq.params.prompt_logprobs is not None
         ):
             result["prompt_logprobs"] = self._prompt_logprobs(self.choices[0].seq)  # vLLM's place for them in chat
+        if self.return_ids and self.job.kind != "text":
+            result["prompt_token_ids"] = self.job.prompt_ids
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         req = self.job.request
@@ -448,6 +472,11 @@ class JobRun:
         )
         if isinstance(self.job.request, CompletionRequest) and c.seq.params.prompt_logprobs is not None:
             final["prompt_logprobs"] = self._prompt_logprobs(c.seq)
+        if self.return_ids:
+            # Where vLLM puts them: a legacy choice holds its prompt's ids, a chat completion's object holds them.
+            if self.job.kind == "text":
+                final["prompt_token_ids"] = self.job.prompts[c.prompt]
+            final["token_ids"] = [] if self.silent else list(c.seq.output_ids)
         return final
 
     def _prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None]:

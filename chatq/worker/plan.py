@@ -30,9 +30,16 @@ class Plan:
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, eos_ids: frozenset[int], defaults: dict
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    eos_ids: frozenset[int],
+    defaults: dict,
+    bad_words: list[list[int]] | None = None,
 ) -> list[SamplingParams]:
+    """One choice's parameters per choice; `bad_words`: the request's, tokenized (chatq.core.render.bad_words_ids)."""
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
+    rd = req.repetition_detection
+    repetition = (rd.min_pattern_size, rd.max_pattern_size, rd.min_count) if rd and rd.max_pattern_size else None
 
     def pick(name: str, fallback: float) -> float:
         value = getattr(req, name)
@@ -55,6 +62,10 @@ def sampling_params(
             stop_token_ids=stop_ids,
             logprobs=req.num_logprobs,
             prompt_logprobs=req.num_prompt_logprobs,
+            logprob_ids=tuple(req.logprob_token_ids or ()),
+            allowed_ids=tuple(dict.fromkeys(req.allowed_token_ids or ())),
+            bad_words=tuple(tuple(w) for w in bad_words or ()),
+            repetition=repetition,
         )
         for i in range(req.n)
     ]
@@ -100,8 +111,9 @@ def plan(
     defaults: dict,
     compiler: GrammarCompiler | None,
     settings: Settings,
+    bad_words: list[list[int]] | None = None,
 ) -> Plan:
-    params = sampling_params(req, max_tokens, eos_ids, defaults)
+    params = sampling_params(req, max_tokens, eos_ids, defaults, bad_words)
     grammar = grammar_for(req, compiler) if compiler is not None else None
     if isinstance(req, CompletionRequest):
         return Plan(params, grammar, ContentParser, False, False, False)

@@ -1,8 +1,8 @@
 """Per-sequence sampling over a batch of logits: every row keeps its own parameters, history and seed.
 
 Order as in vLLM: a grammar masks what it forbids; logprobs are taken there (the model's distribution over what the
-grammar allows); then min_tokens, logit_bias and penalties shape the logits, and temperature, top-k, top-p and
-min-p pick the candidates.
+grammar allows); then allowed_token_ids, bad words, min_tokens, logit_bias and penalties shape the logits, and
+temperature, top-k, top-p and min-p pick the candidates.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely
     # None: none; k: each prompt token's logprob (but the first's), its rank and the k most likely at its place.
     prompt_logprobs: int | None = None
+    logprob_ids: tuple[int, ...] = ()  # with logprobs: these ids' logprobs in place of the k most likely
+    allowed_ids: tuple[int, ...] = ()  # empty: every token may be sampled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token may not follow the rest
+    # (min size, max size, count): the sequence ends once its output ends in a pattern of min..max tokens repeated
+    # count times.
+    repetition: tuple[int, int, int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +50,9 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         return bool(
-            self.logit_bias
+            self.allowed_ids
+            or self.bad_words
+            or self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
@@ -97,6 +105,14 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
         if not p.shapes_logits:
             continue
         line, dev = logits[i], logits.device
+        if p.allowed_ids:
+            allowed = to_device(dev, list(p.allowed_ids))
+            kept = line[allowed]  # a copy
+            line.fill_(float("-inf"))
+            line[allowed] = kept
+        for word in p.bad_words:
+            if _completes(row.output_ids, word):
+                line[word[-1]] = float("-inf")
         if len(row.output_ids) < p.min_tokens and p.stop_token_ids:
             stops = to_device(dev, [t for t in p.stop_token_ids if t < vocab])
             allowed = line[stops]  # a copy
@@ -118,6 +134,12 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
             if p.presence_penalty or p.frequency_penalty:
                 said = h.said_ids
                 line.index_add_(0, said, -(p.frequency_penalty * h.counts[said] + p.presence_penalty))
+
+
+def _completes(output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether the word's last token would complete it: the output ends in the rest (vLLM's rule for bad words)."""
+    rest = len(word) - 1
+    return rest <= len(output) and (rest == 0 or tuple(output[-rest:]) == word[:-1])
 
 
 def _catch_up(row: Row, line: torch.Tensor) -> History:
@@ -197,14 +219,26 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
     ids = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw is not None and want_rows is not None:
-        k = max(rows[i].params.logprobs or 0 for i in want)
+        k = max(0 if rows[i].params.logprob_ids else rows[i].params.logprobs or 0 for i in want)
         vals, top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         chosen = raw.gather(1, tokens[want_rows][:, None])[:, 0].tolist()
         top_vals, top_ids = vals.tolist(), top.tolist()
         for j, i in enumerate(want):
-            n = rows[i].params.logprobs or 0
+            p = rows[i].params
+            if p.logprob_ids:
+                logprobs[i] = _named(raw[j], ids[i], chosen[j], p.logprob_ids)
+                continue
+            n = p.logprobs or 0
             logprobs[i] = TokenLogprob(chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
     return ids, logprobs
+
+
+def _named(raw: torch.Tensor, token: int, logprob: float, named: tuple[int, ...]) -> TokenLogprob:
+    """The logprobs of the sampled token and then of each named id, each once, as vLLM lists them for
+    logprob_token_ids."""
+    others = [t for t in dict.fromkeys(named) if t != token]
+    values = raw[to_device(raw.device, others)].tolist() if others else []
+    return TokenLogprob(logprob, [(token, logprob), *zip(others, values, strict=True)])
 
 
 def skip_draws(generator: torch.Generator, tokens: int, vocab: int) -> None:

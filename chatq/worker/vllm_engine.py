@@ -148,7 +148,7 @@ class VllmEngine:
             # A complete grammar allows only EOS, which ends the sequence even where the request ignores EOS, as
             # chatq's engine ends it.
             stops |= self.eos_token_ids
-        return SamplingParams(
+        params = SamplingParams(
             temperature=0.0 if p.greedy else p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
@@ -163,13 +163,18 @@ class VllmEngine:
             # chatq's stop ids hold EOS unless the request ignores it: vLLM's own EOS rule would end it regardless.
             stop_token_ids=sorted(stops),
             ignore_eos=True,
-            logprobs=p.logprobs,
+            logprobs=None if p.logprob_ids else p.logprobs,
+            logprob_token_ids=list(p.logprob_ids) or None,
+            allowed_token_ids=list(p.allowed_ids) or None,
             # Of the prompt vLLM is given, which holds the output so far of a sequence taken up with some.
             prompt_logprobs=p.prompt_logprobs if seq.scoring else None,
             structured_outputs=grammar,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
+        # chatq tokenized the bad words as vLLM would; vLLM takes them as text only, tokenizing them itself.
+        params._bad_words_token_ids = [list(w) for w in p.bad_words] or None
+        return params
 
     def _outputs(self, request: Any) -> list[Output]:
         """One chatq output per new token of a vLLM RequestOutput (speculative decoding makes several a step), the
@@ -193,7 +198,7 @@ class VllmEngine:
                 finish = FINISHES.get(done.finish_reason)
             logprob = None
             if done.logprobs and seq.params.logprobs is not None:
-                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs)
+                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs, named=seq.params.logprob_ids)
             outputs.append(Output(seq, token, finish, logprob))
             if finish is not None:
                 self._close(seq, finish, stop_vllm=not request.finished)
@@ -270,10 +275,17 @@ class StatsRecorder:
         pass
 
 
-def token_logprob(token: int, entries: Mapping[int, Any], k: int, ranked: bool = False) -> TokenLogprob:
-    """vLLM's logprobs at one position (the sampled or prompt token's and the k most likely, each with its rank) as
-    chatq's; `ranked`: with the token's rank, as a prompt token's entry has it."""
+def token_logprob(
+    token: int, entries: Mapping[int, Any], k: int, ranked: bool = False, named: tuple[int, ...] = ()
+) -> TokenLogprob:
+    """vLLM's logprobs at one position (the sampled or prompt token's and the k most likely, each with its rank; or,
+    for `named` ids, the sampled token's and theirs) as chatq's; `ranked`: with the token's rank, as a prompt token's
+    entry has it."""
+    mine = entries[token]
+    rank = mine.rank if ranked else None
+    if named:
+        listed = [(t, max(e.logprob, LOGPROB_FLOOR)) for t, e in entries.items()]
+        return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), listed, rank)
     by_rank = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
     top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in by_rank[:k]]
-    mine = entries[token]
-    return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), top, mine.rank if ranked else None)
+    return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), top, rank)

@@ -11,7 +11,7 @@ from chatq.core.render import Renderer
 from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker import attention, sampler
-from chatq.worker.engine import Engine, Finish, Sequence
+from chatq.worker.engine import Engine, Finish, Sequence, repeats
 from chatq.worker.grammar import GrammarCompiler, GrammarState
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.model import load_model
@@ -313,7 +313,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
     assert sampled([]) == sampled(prompts[1:4])
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+FILTERED = {"temperature": 1.0, "seed": 7, "allowed_ids": tuple(range(200, 3000)), "bad_words": ((260, 261), (300,))}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0}, {"temperature": 1.0, "seed": 7}, FILTERED],
+    ids=["greedy", "seeded", "filtered"],
+)
 def test_a_sequence_taken_up_with_its_output_so_far_continues_as_it_would_have(model, prompts, params):
     # As a worker continues a job from its log: prompt and output prefilled again, then sampling goes on.
     def engine() -> Engine:
@@ -323,6 +330,18 @@ def test_a_sequence_taken_up_with_its_output_so_far_continues_as_it_would_have(m
     for cut in (1, 13):
         again = Sequence("x", prompts[1], SamplingParams(max_tokens=30, **params), output_ids=whole[:cut])
         assert run(engine(), [again])["x"].output_ids == whole
+
+
+def test_a_repeated_pattern_ends_a_sequence_as_vllm_detects_it():
+    assert repeats([5, 1, 2, 1, 2, 1, 2], 1, 2, 3)
+    assert not repeats([5, 1, 2, 1, 2, 1, 2], 1, 2, 4)
+    assert not repeats([1, 2, 1, 2, 1, 2], 1, 1, 3)  # a pattern of 2 is beyond the largest size
+    assert not repeats([7, 7, 7, 7], 2, 2, 3)  # four tokens are too few for a pattern of 2 three times
+    assert repeats([7, 7, 7], 0, 1, 3)
+    for min_tokens, at in ((0, 5), (7, 6)):  # from min_tokens on
+        seq = Sequence("r", [1], SamplingParams(max_tokens=10, repetition=(1, 2, 3), min_tokens=min_tokens))
+        ends = [seq.take(t, 100) for t in [1, 2, 1, 2, 1, 2, 1][: at + 1]]
+        assert ends == [None] * at + [Finish.repetition]
 
 
 def test_stop_token_ends_a_sequence(model, prompts, reference):

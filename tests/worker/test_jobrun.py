@@ -368,6 +368,11 @@ RESUMED = {
     ),
     "a JSON object held by the grammar": ({"response_format": {"type": "json_object"}}, '{"a": [1, 2]}', Settings()),
     "a legacy echo with text offsets": (None, " and then some 🙂 more", Settings()),
+    "token ids, and logprobs naming tokens by id": (
+        {"stream": True, "logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
+        "Un café 🙂 merci",
+        Settings(),
+    ),
 }
 
 

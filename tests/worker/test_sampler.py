@@ -119,6 +119,31 @@ def test_logprobs_come_from_the_raw_distribution():
     assert math.isclose(lps[0].top[0][1], float(raw[1]), rel_tol=1e-5)
 
 
+def test_allowed_token_ids_leave_only_those_ids():
+    assert pick(BASE, allowed_ids=(3, 6)) == 3
+    assert pick(BASE, allowed_ids=(6,), logit_bias={3: 100.0}) == 6
+
+
+def test_a_bad_words_last_token_is_blocked_only_after_its_prefix():
+    assert pick(BASE, bad_words=((1,),)) == 2  # one token: blocked everywhere
+    assert pick(BASE, bad_words=((4, 1),), output_ids=[4]) == 2
+    assert pick(BASE, bad_words=((4, 1),), output_ids=[3]) == 1
+    assert pick(BASE, bad_words=((3, 4, 1),), output_ids=[4]) == 1  # longer than the output so far
+    assert pick(BASE, bad_words=((3, 4, 1), (2,)), output_ids=[0, 3, 4]) == 7
+
+
+def test_logprob_token_ids_list_the_sampled_token_then_the_named_ones():
+    raw = torch.tensor(BASE).log_softmax(-1)
+    p = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, logprob_ids=(6, 1, 0, 6), bad_words=((1,),))
+    tokens, lps = sample(torch.tensor([BASE]), [Row(p, None, [], [])])
+    assert tokens == [2]
+    assert [t for t, _ in lps[0].top] == [2, 6, 1, 0]
+    # Taken before the filters, as vLLM takes them: the blocked token keeps its logprob.
+    assert [v for _, v in lps[0].top] == pytest.approx([float(raw[t]) for t in (2, 6, 1, 0)], rel=1e-5)
+    p.logprob_ids = (2, 7)
+    assert [t for t, _ in sample(torch.tensor([BASE]), [Row(p, None, [], [])])[1][0].top] == [2, 7]
+
+
 def test_penalties_follow_a_sequence_step_by_step():
     # The engine keeps one Row history per sequence and appends to its output between steps: each new token must
     # count from the next step on, as if the history were rebuilt from the whole context.
