@@ -97,7 +97,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "allowed_token_ids": None,
     "logprob_token_ids": None,
     "thinking_token_budget": None,
-    "chat_template": None,
     "spaces_between_special_tokens": True,
     "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
     "stream_interval": 1,
@@ -444,6 +443,8 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's set; the value itself only reaches the chat template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
+    # The request's own chat template, taken only where CHATQ_TRUST_REQUEST_CHAT_TEMPLATE allows it.
+    chat_template: str | None = None
 
     @property
     def max_tokens_param(self) -> str:
@@ -578,6 +579,7 @@ class TokenizeRequest(BaseModel):
     # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
     tools: list[Tool] | None = None
     documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
