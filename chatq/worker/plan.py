@@ -74,6 +74,8 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
             # Held to the schema with or without `strict: true`, as vLLM holds it: no property it does not list.
             return compiler.json_schema(fmt.json_schema.schema_ or {})
+        if fmt is not None and fmt.type == "structural_tag":
+            return compiler.structural_tag(fmt.structural_tag())
         so = req.structured_outputs
         param = "structured_outputs"
         if so is None:
@@ -87,6 +89,8 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
             return compiler.choice(so.choice)
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
+        if so.structural_tag is not None:
+            return compiler.structural_tag(orjson.loads(so.structural_tag))  # an object, as the API read it
     except (GrammarError, orjson.JSONDecodeError) as e:
         raise BadRequest(str(e), param) from e
     return None
