@@ -96,7 +96,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "bad_words": None,
     "allowed_token_ids": None,
     "logprob_token_ids": None,
-    "thinking_token_budget": None,
     "spaces_between_special_tokens": True,
     "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
     "stream_interval": 1,
@@ -269,6 +268,16 @@ class GenerationRequest(BaseModel):
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Tokens a thought may take before its end is forced, with a reasoning parser (vLLM's); None or -1: no limit.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> Any:
+        # vLLM's rule: an integer (not a bool or a float), -1 for no limit.
+        if v is not None and (isinstance(v, (bool, float)) or not isinstance(v, int) or v < -1):
+            raise ValueError("`thinking_token_budget` must be a non-negative integer or -1 for unlimited.")
+        return None if v == -1 else v
 
     @model_validator(mode="before")
     @classmethod

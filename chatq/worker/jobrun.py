@@ -94,7 +94,8 @@ class JobRun:
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         room = self.model.max_model_len - len(job.prompt_ids)
         max_tokens = min(req.max_new_tokens or room, room)
-        self.plan = plan(req, max_tokens, self.eos_ids, self.model.sampling_defaults, compiler, settings)
+        defaults = self.model.sampling_defaults
+        self.plan = plan(req, max_tokens, self.eos_ids, defaults, compiler, settings, self.model.tokenizer)
         # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
+from tokenizers import Tokenizer
 
 from chatq.core.errors import BadRequest
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
@@ -13,9 +14,9 @@ from chatq.core.settings import Settings
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser
 from chatq.worker.parse.forced import NamedToolParser, RequiredToolParser
-from chatq.worker.parse.reasoning import ReasoningParser
+from chatq.worker.parse.reasoning import THINK_END, THINK_START, ReasoningParser
 from chatq.worker.parse.tools import TOOL_PARSERS, FirstCallOnly
-from chatq.worker.sampler import SamplingParams
+from chatq.worker.sampler import SamplingParams, ThinkingBudget
 
 
 @dataclass
@@ -29,8 +30,29 @@ class Plan:
     forced_tools: bool = False  # a named or "required" tool_choice: the output is the calls
 
 
+def thinking_budget(
+    req: ChatCompletionRequest | CompletionRequest, settings: Settings, tokenizer: Tokenizer
+) -> ThinkingBudget | None:
+    """The request's thinking_token_budget, with the reasoning parser's markers as token ids (as vLLM tokenizes its
+    reasoning parser's start and end strings); a 400 for a model without a reasoning parser, as vLLM refuses it."""
+    if req.thinking_token_budget is None:
+        return None
+    if not settings.reasoning_parser:
+        raise BadRequest(
+            "thinking_token_budget is set but this model has no reasoning parser: its workers need "
+            "CHATQ_REASONING_PARSER to use thinking_token_budget.",
+            "thinking_token_budget",
+        )
+    start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False).ids) for tag in (THINK_START, THINK_END))
+    return ThinkingBudget(req.thinking_token_budget, start, end)
+
+
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, eos_ids: frozenset[int], defaults: dict
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    eos_ids: frozenset[int],
+    defaults: dict,
+    thinking: ThinkingBudget | None = None,
 ) -> list[SamplingParams]:
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
 
@@ -54,6 +76,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
             logprobs=req.num_logprobs,
+            thinking=thinking,
         )
         for i in range(req.n)
     ]
@@ -103,8 +126,9 @@ def plan(
     defaults: dict,
     compiler: GrammarCompiler | None,
     settings: Settings,
+    tokenizer: Tokenizer,
 ) -> Plan:
-    params = sampling_params(req, max_tokens, eos_ids, defaults)
+    params = sampling_params(req, max_tokens, eos_ids, defaults, thinking_budget(req, settings, tokenizer))
     grammar = grammar_for(req, compiler) if compiler is not None else None
     if isinstance(req, CompletionRequest):
         return Plan(params, grammar, ContentParser, False, False, False)

@@ -165,6 +165,7 @@ class VllmEngine:
             ignore_eos=True,
             logprobs=p.logprobs,
             structured_outputs=grammar,
+            thinking_token_budget=p.thinking.tokens if p.thinking is not None else None,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
