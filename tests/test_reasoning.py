@@ -111,11 +111,11 @@ def test_the_workers_template_and_a_trusted_request_template_render_and_count_al
     prompt = thinking.post("/tokenize", json={"messages": ASK}).json()
     text = thinking.post("/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
     assert text.endswith("<|im_start|>assistant\n<think>\n")  # CHATQ_CHAT_TEMPLATE's, not the model's own
-    own = "{% for m in messages %}Q: {{ m.content }}{% endfor %}\n{{ greeting }}A:"
+    own = "{% for m in messages %}Q: {{ m.content }} {% endfor %}{{ greeting }} A:"
     kwargs = {"chat_template": own, "chat_template_kwargs": {"greeting": "Briefly."}}
     counted = thinking.post("/tokenize", json={"messages": ASK} | kwargs).json()
     text = thinking.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"]
-    assert text == "Q: What is the capital of France?\nBriefly.A:"
+    assert text == "Q: What is the capital of France? Briefly. A:"
     answer = chat(thinking, **kwargs)
     assert answer["usage"]["prompt_tokens"] == counted["count"]
     assert answer["choices"][0]["message"]["reasoning"]  # still read by the stack's parser
