@@ -314,6 +314,14 @@ def test_grammar_the_engine_cannot_compile_fails_the_job_as_a_bad_request(http):
     assert_error(resp, 400, "BadRequestError", "structured_outputs")
 
 
+def test_a_thinking_budget_for_a_model_without_a_reasoning_parser_fails_the_job_as_a_bad_request(http):
+    # The default stack's worker has no CHATQ_REASONING_PARSER: vLLM refuses the field without --reasoning-parser.
+    for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hi"})):
+        resp = http.post(path, json=body | {"max_tokens": 4, "thinking_token_budget": 3})
+        error = assert_error(resp, 400, "BadRequestError", "thinking_token_budget")
+        assert "CHATQ_REASONING_PARSER" in error["message"]
+
+
 ANSWER_TAG = {
     "type": "structural_tag",
     "format": {"type": "tag", "begin": "<answer>", "content": {"type": "regex", "pattern": "(yes|no)"}, "end": "</a>"},
