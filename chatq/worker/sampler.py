@@ -2,7 +2,7 @@
 
 Order as in vLLM: a grammar masks what it forbids; logprobs are taken there (the model's distribution over what the
 grammar allows); then min_tokens, logit_bias and penalties shape the logits, and temperature, top-k, top-p and
-min-p pick the candidates.
+min-p pick the candidates; last, a thinking budget that has run out forces its end marker's next token.
 """
 
 from __future__ import annotations
