@@ -22,8 +22,9 @@ class ServedModel:
     renderer: Renderer = field(repr=False, compare=False)
 
     @classmethod
-    def build(cls, info: ModelInfo, created: int, digest: str) -> ServedModel:
-        return cls(info, created, digest, Renderer(info))
+    def build(cls, info: ModelInfo, created: int, digest: str, trust_request_templates: bool = False) -> ServedModel:
+        """`trust_request_templates`: CHATQ_TRUST_REQUEST_CHAT_TEMPLATE, whether a request may bring its own."""
+        return cls(info, created, digest, Renderer(info, trust_request_templates=trust_request_templates))
 
     @property
     def name(self) -> str:

@@ -397,6 +397,7 @@ def _as_chat(body: TokenizeRequest) -> ChatCompletionRequest:
         add_special_tokens=bool(body.add_special_tokens),
         tools=body.tools,
         documents=body.documents,
+        chat_template=body.chat_template,
     )
     chat.check()
     return chat

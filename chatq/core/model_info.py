@@ -27,8 +27,9 @@ class ModelInfo:
     tokenizer: Tokenizer = field(repr=False, compare=False)
 
     @classmethod
-    def read(cls, name: str, path: Path, max_model_len: int = 0) -> ModelInfo:
-        """`max_model_len` (CHATQ_MAX_MODEL_LEN) overrides the config's; 0 takes the config's."""
+    def read(cls, name: str, path: Path, max_model_len: int = 0, chat_template: str = "") -> ModelInfo:
+        """`max_model_len` (CHATQ_MAX_MODEL_LEN) overrides the config's; 0 takes the config's. `chat_template`
+        (CHATQ_CHAT_TEMPLATE), a file's path or a template, replaces the model's own; empty keeps them."""
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _json(path / "config.json")
         tokenizer_config = _json(path / "tokenizer_config.json")
@@ -38,7 +39,9 @@ class ModelInfo:
             name=name,
             max_model_len=max_model_len or _context_length(config, path),
             vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
-            chat_templates=_chat_templates(path, tokenizer_config),
+            chat_templates={"default": _template_source(chat_template)}
+            if chat_template
+            else _chat_templates(path, tokenizer_config),
             special_tokens=special,
             eos_token_ids=_eos_ids(generation, tokenizer, special["eos_token"]),
             sampling_defaults=sampling_defaults(generation),
@@ -76,6 +79,17 @@ def _chat_templates(path: Path, tokenizer_config: dict[str, Any]) -> dict[str, s
     if "default" not in named:
         raise RuntimeError(f"{path} names chat templates but none `default`: {sorted(named)}")
     return named
+
+
+def _template_source(setting: str) -> str:
+    """A chat template setting's template: the file it names, else the setting itself if it reads as a template, as
+    vLLM reads --chat-template."""
+    try:
+        return Path(setting).read_text()
+    except (OSError, ValueError):
+        if not any(c in setting for c in "{}\n"):
+            raise RuntimeError(f"CHATQ_CHAT_TEMPLATE names no readable file, nor is it a template: {setting}") from None
+        return setting
 
 
 def _eos_ids(generation: dict[str, Any], tokenizer: Tokenizer, eos_token: str | None) -> tuple[int, ...]:

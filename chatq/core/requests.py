@@ -90,8 +90,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "best_of": 1,
     "use_beam_search": None,
     "length_penalty": 1.0,
-    "thinking_token_budget": None,
-    "chat_template": None,
     "spaces_between_special_tokens": True,
     "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
     "stream_interval": 1,
@@ -144,9 +142,27 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
+class StructuralTagItem(BaseModel):
+    """One of a structural tag's older `structures`: text from `begin` to `end`, a JSON value of `schema` between."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag: xgrammar's `format`, as vLLM takes it, or the older `structures` and `triggers`.
+    format: dict[str, Any] | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The structural tag as xgrammar takes it (vLLM's payload): the format, or the structures and triggers."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude={"json_schema"})
 
 
 class StructuredOutputs(BaseModel):
@@ -156,6 +172,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # a JSON text, as vLLM takes it: what response_format structural_tag holds
 
     # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
     # that asks for something (not null or false) is refused in check(), rather than dropped.
@@ -169,6 +186,7 @@ class StructuredOutputs(BaseModel):
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if v is not None
         ]
@@ -290,6 +308,17 @@ class GenerationRequest(BaseModel):
     logprob_token_ids: list[int] | None = None
     return_token_ids: bool | None = None  # the prompt's and each choice's token ids, beside the text
     return_tokens_as_token_ids: bool | None = None  # logprob entries name tokens as "token_id:N"
+
+    # Tokens a thought may take before its end is forced, with a reasoning parser (vLLM's); None or -1: no limit.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> Any:
+        # vLLM's rule: an integer (not a bool or a float), -1 for no limit.
+        if v is not None and (isinstance(v, (bool, float)) or not isinstance(v, int) or v < -1):
+            raise ValueError("`thinking_token_budget` must be a non-negative integer or -1 for unlimited.")
+        return None if v == -1 else v
 
     @model_validator(mode="before")
     @classmethod
@@ -441,6 +470,8 @@ class GenerationRequest(BaseModel):
                     "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
                 )
             check_schema(fmt.json_schema.schema_, "response_format")
+        if fmt is not None and fmt.type == "structural_tag":
+            check_structural_tag(fmt.structural_tag(), "response_format")
         so = self.structured_outputs
         if so is not None:
             for name, value in (so.model_extra or {}).items():
@@ -451,7 +482,8 @@ class GenerationRequest(BaseModel):
             kinds = so.kinds()
             if len(kinds) != 1:
                 raise BadRequest(
-                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
+                    "`structured_outputs` takes exactly one of json, regex, choice, grammar or structural_tag.",
+                    "structured_outputs",
                 )
             if fmt is not None and fmt.type != "text":
                 raise BadRequest(
@@ -467,13 +499,10 @@ class GenerationRequest(BaseModel):
                 )
             if so.grammar is not None and not so.grammar.strip():
                 raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
+            if so.structural_tag is not None:
+                check_structural_tag(_json_text(so.structural_tag, "structural_tag"), "structured_outputs")
             if isinstance(so.json_, str):
-                try:
-                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
-                    schema = orjson.loads(so.json_)
-                except ValueError as e:
-                    raise BadRequest(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
-                check_schema(schema, "structured_outputs")
+                check_schema(_json_text(so.json_, "json"), "structured_outputs")
             elif so.json_ is not None:
                 check_schema(so.json_, "structured_outputs")
 
@@ -509,6 +538,51 @@ class GenerationRequest(BaseModel):
     def bias(self) -> dict[int, float]:
         """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
         return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
+
+
+def _json_text(text: str, name: str) -> Any:
+    """A structured_outputs field given as JSON text, read strictly, as request bodies are: no NaN or Infinity
+    (1e400), which xgrammar cannot take."""
+    try:
+        return orjson.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"structured_outputs.{name} is not valid JSON: {e}", "structured_outputs") from e
+
+
+def check_structural_tag(tag: Any, param: str) -> None:
+    """What the API can check of a structural tag without xgrammar: its shape, and every JSON schema in it. What
+    only xgrammar reads (a format's kinds) fails the job with a 400 when its grammar is compiled."""
+    invalid = f"Invalid {param} structural_tag specification"
+    if not isinstance(tag, dict):
+        raise BadRequest(f"{invalid}: it must be a JSON object.", param)
+    if "structures" in tag:  # the older form
+        try:
+            ResponseFormat.model_validate({"type": "structural_tag", **tag})
+        except ValueError as e:
+            raise BadRequest(f"{invalid}: {e}", param) from e
+        if not isinstance(tag.get("triggers"), list) or not tag["triggers"]:
+            raise BadRequest(f"{invalid}: `structures` need `triggers`.", param)
+        for item in tag["structures"]:
+            if not any(item["begin"].startswith(t) for t in tag["triggers"]):
+                raise BadRequest(f"{invalid}: the begin {item['begin']!r} starts with no trigger.", param)
+            check_schema(item.get("schema") or {}, param)
+        return
+    if not isinstance(tag.get("format"), dict):
+        raise BadRequest(f"{invalid}: it needs a `format` object (or the older `structures` and `triggers`).", param)
+    for schema in _schemas_in(tag["format"]):
+        check_schema(schema, param)
+
+
+def _schemas_in(node: Any) -> Iterator[dict[str, Any]]:
+    """The JSON schemas of a structural tag's format: those of its `json_schema` parts, however deep."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _schemas_in(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            yield node["json_schema"]
+        for value in node.values():
+            yield from _schemas_in(value)
 
 
 class Function(BaseModel):
@@ -552,6 +626,8 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's set; the value itself only reaches the chat template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
+    # The request's own chat template, taken only where CHATQ_TRUST_REQUEST_CHAT_TEMPLATE allows it.
+    chat_template: str | None = None
 
     @property
     def max_tokens_param(self) -> str:
@@ -715,6 +791,7 @@ class TokenizeRequest(BaseModel):
     # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
     tools: list[Tool] | None = None
     documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 

@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     # none. A Literal, so a misspelt name fails at start, not in every request.
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
+    # A worker's chat template in place of its model's own (vLLM's --chat-template): a file's path, or the template
+    # itself; empty: the model's. The worker registers it, and the API renders every request for the model with it.
+    chat_template: str = ""
 
     # Admission and access
     # Comma-separated keys clients send as `Authorization: Bearer <key>`; empty: the API is open to anyone. Secret,
@@ -107,6 +110,9 @@ class Settings(BaseSettings):
     # Comma-separated origins whose pages may call the API from a browser (CORS), "*" for any; empty: none, so a
     # page on another site cannot use a service running open on localhost.
     cors_origins: str = ""
+    # Whether a request may bring its own chat template (`chat_template`, vLLM's --trust-request-chat-template):
+    # off, a template is code the API runs, so a client could spend its CPU; on, it runs sandboxed all the same.
+    trust_request_chat_template: bool = False
     # Threads that render and tokenize prompts off the event loop, at most this many at once.
     render_threads: Positive = Field(default_factory=lambda: 2 * (os.cpu_count() or 1))
 

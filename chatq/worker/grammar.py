@@ -111,6 +111,17 @@ class GrammarCompiler:
             return _compile("EBNF grammar", lambda: self._compiler.compile_grammar(source))
         return _compile("Lark grammar", lambda: self._compiler.compile_lark(source))
 
+    def structural_tag(self, tag: Mapping[str, Any]) -> Grammar:
+        """A structural tag (xgrammar's): text held to its `format`, or free text in which each of the older
+        `structures` opens at one of its `triggers`, as vLLM compiles either."""
+        if "structures" not in tag:
+            return _compile("structural tag", lambda: self._compiler.compile_structural_tag(json.dumps(tag)))
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"])
+            for s in tag["structures"]
+        ]
+        return _compile("structural tag", lambda: self._compiler.compile_structural_tag(items, tag["triggers"]))
+
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) -> Grammar:
         """tool_choice "required": see `tool_calls_schema`."""
         return self.json_schema(tool_calls_schema(tools, parallel=parallel))

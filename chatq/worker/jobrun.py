@@ -103,7 +103,8 @@ class JobRun:
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         bad_words = bad_words_ids(self.decoder.tokenizer, req.bad_words)
-        self.plan = plan(req, 1, self.eos_ids, self.model.sampling_defaults, compiler, settings, bad_words)
+        defaults = self.model.sampling_defaults
+        self.plan = plan(req, 1, self.eos_ids, defaults, compiler, settings, self.model.tokenizer, bad_words)
         # Hidden reasoning stays hidden: its tokens would show in logprobs and token ids (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
         self.return_ids = bool(req.return_token_ids) and not self.hide_logprobs

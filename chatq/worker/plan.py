@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
+from tokenizers import Tokenizer
 
 from chatq.core.errors import BadRequest
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
@@ -13,9 +14,9 @@ from chatq.core.settings import Settings
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser
 from chatq.worker.parse.forced import NamedToolParser, RequiredToolParser
-from chatq.worker.parse.reasoning import ReasoningParser
+from chatq.worker.parse.reasoning import THINK_END, THINK_START, ReasoningParser
 from chatq.worker.parse.tools import TOOL_PARSERS, FirstCallOnly
-from chatq.worker.sampler import SamplingParams
+from chatq.worker.sampler import SamplingParams, ThinkingBudget
 
 
 @dataclass
@@ -29,12 +30,30 @@ class Plan:
     forced_tools: bool = False  # a named or "required" tool_choice: the output is the calls
 
 
+def thinking_budget(
+    req: ChatCompletionRequest | CompletionRequest, settings: Settings, tokenizer: Tokenizer
+) -> ThinkingBudget | None:
+    """The request's thinking_token_budget, with the reasoning parser's markers as token ids (as vLLM tokenizes its
+    reasoning parser's start and end strings); a 400 for a model without a reasoning parser, as vLLM refuses it."""
+    if req.thinking_token_budget is None:
+        return None
+    if not settings.reasoning_parser:
+        raise BadRequest(
+            "thinking_token_budget is set but this model has no reasoning parser: its workers need "
+            "CHATQ_REASONING_PARSER to use thinking_token_budget.",
+            "thinking_token_budget",
+        )
+    start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False).ids) for tag in (THINK_START, THINK_END))
+    return ThinkingBudget(req.thinking_token_budget, start, end)
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     max_tokens: int,
     eos_ids: frozenset[int],
     defaults: dict,
     bad_words: list[list[int]] | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> list[SamplingParams]:
     """One choice's parameters per choice; `bad_words`: the request's, tokenized (chatq.core.render.bad_words_ids)."""
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
@@ -66,6 +85,7 @@ def sampling_params(
             allowed_ids=tuple(dict.fromkeys(req.allowed_token_ids or ())),
             bad_words=tuple(tuple(w) for w in bad_words or ()),
             repetition=repetition,
+            thinking=thinking,
         )
         for i in range(req.n)
     ]
@@ -86,6 +106,8 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
             # Held to the schema with or without `strict: true`, as vLLM holds it: no property it does not list.
             return compiler.json_schema(fmt.json_schema.schema_ or {})
+        if fmt is not None and fmt.type == "structural_tag":
+            return compiler.structural_tag(fmt.structural_tag())
         so = req.structured_outputs
         param = "structured_outputs"
         if so is None:
@@ -99,6 +121,8 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
             return compiler.choice(so.choice)
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
+        if so.structural_tag is not None:
+            return compiler.structural_tag(orjson.loads(so.structural_tag))  # an object, as the API read it
     except (GrammarError, orjson.JSONDecodeError) as e:
         raise BadRequest(str(e), param) from e
     return None
@@ -111,9 +135,10 @@ def plan(
     defaults: dict,
     compiler: GrammarCompiler | None,
     settings: Settings,
+    tokenizer: Tokenizer,
     bad_words: list[list[int]] | None = None,
 ) -> Plan:
-    params = sampling_params(req, max_tokens, eos_ids, defaults, bad_words)
+    params = sampling_params(req, max_tokens, eos_ids, defaults, bad_words, thinking_budget(req, settings, tokenizer))
     grammar = grammar_for(req, compiler) if compiler is not None else None
     if isinstance(req, CompletionRequest):
         return Plan(params, grammar, ContentParser, False, False, False)

@@ -2,7 +2,8 @@
 
 Order as in vLLM: a grammar masks what it forbids; logprobs are taken there (the model's distribution over what the
 grammar allows); then allowed_token_ids, bad words, min_tokens, logit_bias and penalties shape the logits, and
-temperature, top-k, top-p and min-p pick the candidates.
+temperature, top-k, top-p and min-p pick the candidates; last, a thinking budget that has run out forces its end
+marker's next token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from chatq.core.sampling import GREEDY_BELOW
 
 if TYPE_CHECKING:
     from chatq.worker.grammar import GrammarState
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """vLLM's thinking_token_budget: once the open thought (what follows the last start marker that no end marker
+    closed, in the prompt and the output) holds `tokens` tokens, the end marker's tokens are taken next, one a step."""
+
+    tokens: int
+    start: tuple[int, ...]  # the thought's start marker, as token ids
+    end: tuple[int, ...]  # its end marker: what ends a thought, and what the budget forces
 
 
 @dataclass
@@ -42,6 +53,7 @@ class SamplingParams:
     # (min size, max size, count): the sequence ends once its output ends in a pattern of min..max tokens repeated
     # count times.
     repetition: tuple[int, int, int] | None = None
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +83,11 @@ class History:
     said: set[int] = field(default_factory=set)  # output ids: presence and frequency penalties
     said_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     counts: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [V]: how often each id was output
+    # A thinking budget's markers: prompt and output tokens looked through so far, and where the last start and the
+    # last end marker begin (-1: none yet).
+    marks_scanned: int = 0
+    last_start: int = -1
+    last_end: int = -1
 
 
 @dataclass
@@ -216,6 +233,10 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
         if unshaped is not None:
             logits[shaping_rows] = unshaped
         raise
+    forced = {i: t for i, r in enumerate(rows) if r.params.thinking is not None and (t := _forced(r)) is not None}
+    if forced:
+        # After the draw, so a seeded row's generator moves as it would have, and a continued job draws the same.
+        tokens[to_device(dev, list(forced))] = to_device(dev, list(forced.values()))
     ids = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw is not None and want_rows is not None:
@@ -239,6 +260,38 @@ def _named(raw: torch.Tensor, token: int, logprob: float, named: tuple[int, ...]
     others = [t for t in dict.fromkeys(named) if t != token]
     values = raw[to_device(raw.device, others)].tolist() if others else []
     return TokenLogprob(logprob, [(token, logprob), *zip(others, values, strict=True)])
+
+
+def _forced(row: Row) -> int | None:
+    """The token a thinking budget forces next, if it does: the end marker's next token, once the open thought has
+    its budget of tokens (vLLM's rule, counting the prompt's tokens after a start marker it ends with). A row that
+    a grammar holds is past its thought."""
+    budget = row.params.thinking
+    if budget is None or row.grammar is not None:
+        return None
+    h, prompt, out = row.history, row.prompt_ids, row.output_ids
+    total = len(prompt) + len(out)
+
+    def at(i: int) -> int:
+        return prompt[i] if i < len(prompt) else out[i - len(prompt)]
+
+    def marks(i: int, marker: tuple[int, ...]) -> bool:
+        return i + len(marker) <= total and all(at(i + j) == t for j, t in enumerate(marker))
+
+    if h.marks_scanned > total:  # the output was cut back: look again from the start
+        h.marks_scanned, h.last_start, h.last_end = 0, -1, -1
+    longest = max(len(budget.start), len(budget.end))
+    for i in range(max(0, h.marks_scanned - longest + 1), total):
+        if marks(i, budget.start):
+            h.last_start = i
+        if marks(i, budget.end):
+            h.last_end = i
+    h.marks_scanned = total
+    if h.last_start < 0 or h.last_start <= h.last_end or total - h.last_start - len(budget.start) < budget.tokens:
+        return None
+    # Continue an end marker already begun at the tail (forced in earlier steps, or written by the model).
+    begun = max((k for k in range(1, len(budget.end)) if marks(total - k, budget.end[:k])), default=0)
+    return budget.end[begun]
 
 
 def skip_draws(generator: torch.Generator, tokens: int, vocab: int) -> None:

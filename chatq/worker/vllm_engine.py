@@ -169,6 +169,7 @@ class VllmEngine:
             # Of the prompt vLLM is given, which holds the output so far of a sequence taken up with some.
             prompt_logprobs=p.prompt_logprobs if seq.scoring else None,
             structured_outputs=grammar,
+            thinking_token_budget=p.thinking.tokens if p.thinking is not None else None,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )

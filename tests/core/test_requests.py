@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from chatq.core.errors import BadRequest
@@ -173,3 +175,33 @@ def test_a_batch_of_one_legacy_prompt_is_that_prompt():
     assert CompletionRequest.model_validate({"prompt": ["Say hi"]}).prompt == "Say hi"
     assert CompletionRequest.model_validate({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     assert CompletionRequest.model_validate({"prompt": [5]}).prompt == [5]  # one token id, not a batch
+
+
+STRUCTURES = {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]}
+FORMAT = {"format": {"type": "triggered_tags", "triggers": ["<f="], "tags": []}}
+
+
+@pytest.mark.parametrize("tag", [FORMAT, STRUCTURES])
+def test_a_structural_tag_in_either_form_passes_in_either_field(tag):
+    ChatCompletionRequest(messages=MESSAGES, response_format={"type": "structural_tag", **tag}).check()
+    text = json.dumps({"type": "structural_tag", **tag})
+    ChatCompletionRequest(messages=MESSAGES, structured_outputs={"structural_tag": text}).check()
+
+
+@pytest.mark.parametrize(
+    ("tag", "needle"),
+    [
+        ({}, "needs a `format` object"),
+        ({"structures": STRUCTURES["structures"], "triggers": []}, "need `triggers`"),
+        ({**STRUCTURES, "triggers": ["<g="]}, "starts with no trigger"),
+        ({"format": {"type": "json_schema", "json_schema": {"type": "object", "uniqueItems": True}}}, "uniqueItems"),
+    ],
+)
+def test_a_malformed_structural_tag_is_refused_naming_its_field(tag, needle):
+    with pytest.raises(BadRequest, match=needle) as e:
+        ChatCompletionRequest(messages=MESSAGES, response_format={"type": "structural_tag", **tag}).check()
+    assert e.value.param == "response_format"
+    for text in (json.dumps(tag), "[1]", "{not json"):
+        with pytest.raises(BadRequest) as e:
+            ChatCompletionRequest(messages=MESSAGES, structured_outputs={"structural_tag": text}).check()
+        assert e.value.param == "structured_outputs"

@@ -98,6 +98,22 @@ def allowed(state: GrammarState) -> torch.Tensor:
 
 ADA = '{"name": "Ada", "age": 36, "status": "active", "address": {"city": "London", "zip": "12345"}, "tags": ["x"]}'
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]} | {
+    "additionalProperties": False
+}
+# Free text, in which a call opens at its trigger and then holds to its schema up to its end: xgrammar's format.
+CITY_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<function="],
+        "tags": [
+            {"begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": CITY}}
+            | {"end": "</function>"}
+        ],
+    },
+}
+
 # (grammar, a valid output, a prefix of it, a continuation of that prefix the grammar forbids)
 CASES: dict[str, tuple[Any, str, str, str]] = {
     "nested_json": (lambda c: c.json_schema(PERSON), ADA, '{"name": "Ada", "age": ', '"36"'),
@@ -126,6 +142,21 @@ CASES: dict[str, tuple[Any, str, str, str]] = {
     "choice": (lambda c: c.choice(["positive", "negative", 'it\'s "neutral"']), 'it\'s "neutral"', "", "maybe"),
     "lark": (lambda c: c.grammar(LARK), "(12+3)-(4-5)", "(12+", ")"),
     "ebnf": (lambda c: c.grammar('root ::= ("yes" | "no") "!"*'), "yes!!", "", "maybe"),
+    "structural_tag": (
+        lambda c: c.structural_tag(CITY_TAG),
+        'Let me look. <function=get_weather>{"city": "Paris"}</function> Done.',
+        'Sure: <function=get_weather>{"',
+        'town"',
+    ),
+    "structural_tag_structures": (
+        lambda c: c.structural_tag(
+            {"structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}]}
+            | {"triggers": ["<function="]}
+        ),
+        'Let me look. <function=get_weather>{"city": "Paris"}</function> Done.',
+        'Sure: <function=get_weather>{"',
+        'town"',
+    ),
 }
 
 
@@ -264,6 +295,7 @@ def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler: GrammarCompi
         (lambda c: c.choice([]), "non-empty"),
         (lambda c: c.tool_calls([]), "at least one tool"),
         (lambda c: c.function(TOOLS, "get_time"), "get_time"),
+        (lambda c: c.structural_tag({"type": "structural_tag", "format": {"type": "nope"}}), "nope"),
     ],
 )
 def test_invalid_grammars_raise_value_errors(compiler: GrammarCompiler, build: Any, needle: str) -> None:

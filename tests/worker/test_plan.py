@@ -7,8 +7,10 @@ import pytest
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import sampling_defaults
 from chatq.core.requests import ChatCompletionRequest
+from chatq.core.settings import Settings
 from chatq.worker.grammar import GrammarError
-from chatq.worker.plan import grammar_for, sampling_params
+from chatq.worker.plan import grammar_for, sampling_params, thinking_budget
+from tests.helpers import model_info
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -55,3 +57,17 @@ def test_a_grammar_that_cannot_compile_is_reported_against_the_field_that_asked_
         with pytest.raises(BadRequest) as e:
             grammar_for(req, Refusing())  # type: ignore[arg-type]
         assert e.value.param == param, fields
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser_and_takes_its_markers_as_token_ids():
+    tokenizer = model_info().tokenizer
+    req = ChatCompletionRequest(messages=MESSAGES, thinking_token_budget=8)
+    # As vLLM without --reasoning-parser refuses it.
+    with pytest.raises(BadRequest, match="CHATQ_REASONING_PARSER") as e:
+        thinking_budget(req, Settings(), tokenizer)
+    assert e.value.param == "thinking_token_budget"
+    budget = thinking_budget(req, Settings(reasoning_parser="qwen3"), tokenizer)
+    assert budget is not None and budget.tokens == 8
+    assert tokenizer.decode(list(budget.start)) == "<think>" and tokenizer.decode(list(budget.end)) == "</think>"
+    unlimited = ChatCompletionRequest(messages=MESSAGES, thinking_token_budget=-1)
+    assert thinking_budget(unlimited, Settings(reasoning_parser="qwen3"), tokenizer) is None
