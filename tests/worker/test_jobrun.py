@@ -289,7 +289,9 @@ def test_auto_tool_calls_stream_token_by_token_as_the_whole_answer_has_them(deco
     assert head["id"] == whole["choices"][0]["message"]["tool_calls"][0]["id"]
     assert head["type"] == "function" and head["function"] == {"name": "get_weather", "arguments": ""}
     assert all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"} for f in fragments)
-    assert len(fragments) > 1 and "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris", "days": 3}'
+    assert (
+        len(fragments) > 1 and "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris", "days": 3}'
+    )
     assert streamed["choices"] == whole["choices"] and chunks[-1]["finish_reason"] == "tool_calls"
 
 

@@ -69,7 +69,8 @@ def check() -> Check:
         # Arguments must be exactly the canonical serialization: what the non-streamed message carries. A string is
         # arguments that went wrong once the call was streaming, as far as they were written.
         expected_calls = [
-            (name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)) for name, args in calls or []
+            (name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+            for name, args in calls or []
         ]
         expected = (content, reasoning, expected_calls)
         assert simple(collect(make(), [text])) == expected

@@ -45,7 +45,11 @@ CASES = [
     ('<tool_call>{"name": "f", "arguments": {"a": 1}}}} junk</tool_call>ok', "ok", [("f", {"a": 1})]),
     # Invalid or incomplete JSON before the arguments began: no call, the raw text stays content.
     ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
-    ('<tool_call>{"name": "f" "arguments": {}}</tool_call>', '<tool_call>{"name": "f" "arguments": {}}</tool_call>', []),
+    (
+        '<tool_call>{"name": "f" "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f" "arguments": {}}</tool_call>',
+        [],
+    ),
     ("<tool_call> is how I call tools", "<tool_call> is how I call tools", []),
     ('<tool_call>["f", {}]</tool_call>', '<tool_call>["f", {}]</tool_call>', []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),

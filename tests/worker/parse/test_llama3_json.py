@@ -34,7 +34,11 @@ CASES = [
     # A call whose arguments had begun streams: cut short or gone wrong, they stay as far as they were written.
     ('{"name": "f", "parameters": {', None, [("f", "{")]),
     ('{"name": "f", "parameters": {"a": tru', None, [("f", '{"a": ')]),
-    (WEATHER + '; {"name": "f", "parameters": {"a": ]} and more', None, [("get_weather", {"city": "Paris"}), ("f", '{"a": ')]),
+    (
+        WEATHER + '; {"name": "f", "parameters": {"a": ]} and more',
+        None,
+        [("get_weather", {"city": "Paris"}), ("f", '{"a": ')],
+    ),
     # Arguments as a JSON string: read whole.
     ('{"name": "f", "parameters": "{\\"a\\": 1}"}', None, [("f", {"a": 1})]),
     ('[{"name": "f", "parameters": {}}]', '[{"name": "f", "parameters": {}}]', []),
