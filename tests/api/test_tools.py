@@ -401,3 +401,55 @@ def test_grammar_the_engine_cannot_compile_fails_the_job_as_a_bad_request(http):
         json={"messages": ASK, "max_tokens": 5, "structured_outputs": {"grammar": "root ::= (("}},
     )
     assert_error(resp, 400, "BadRequestError", "structured_outputs")
+
+
+def strict(tool: dict) -> dict:
+    return tool | {"function": tool["function"] | {"strict": True}}
+
+
+# Calls the model saw itself make, so that it makes one again; the arguments it then writes are its own.
+SHOWN_CALLS = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}'
+        "\n</tool_call>",
+    },
+    {"role": "tool", "content": '{"celsius": 24}'},
+    {"role": "assistant", "content": "It is 24 degrees in Rome."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+
+
+def test_strict_tools_under_auto_hold_the_models_own_call_to_its_schema(hermes, model_name):
+    client, http = hermes
+    # A schema unlike the call the model was shown: left free, it writes that call's arguments again.
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"enum": ["FR", "IT"]}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    weather = {"type": "function", "function": WEATHER["function"] | {"parameters": schema}}
+    kw = dict(model=model_name, messages=SHOWN_CALLS, max_tokens=60, temperature=0)
+    free = client.chat.completions.create(tools=[weather, TIME], **kw).choices[0]
+    [call] = free.message.tool_calls
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+    held = client.chat.completions.create(tools=[strict(weather), TIME], **kw).choices[0]
+    assert held.finish_reason == "tool_calls"
+    [call] = held.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    chunks = list(client.chat.completions.create(tools=[strict(weather), TIME], stream=True, **kw))
+    stored = http.get(f"/v1/chat/completions/{chunks[0].id}").json()["choices"][0]["message"]["tool_calls"]
+    assert_streamed_as(streamed_calls(chunks, 0), stored)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in stored] == calls_of(held.message)
+
+
+def test_strict_tools_under_auto_are_refused_by_name_without_a_parser_that_can_hold_them(http):
+    body = {"messages": ASK, "max_tokens": 5, "tools": [TIME, strict(WEATHER)]}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, "BadRequestError", "tools.1.function.strict")
+    resp = http.post("/v1/chat/completions", json=body | {"tool_choice": "required"})
+    assert resp.status_code == 200
