@@ -386,6 +386,11 @@ RESUMED = {
         '[{"name": "f", "parameters": {"city": "Paris"}}]',
         Settings(),
     ),
+    "hermes calls streamed under auto": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "stream": True},
+        'Sure. <tool_call>{"name": "f", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>',
+        Settings(tool_parser="hermes"),
+    ),
     "a JSON object held by the grammar": ({"response_format": {"type": "json_object"}}, '{"a": [1, 2]}', Settings()),
     "a legacy echo with text offsets": (None, " and then some 🙂 more", Settings()),
 }
