@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from chatq.core.errors import BadRequest
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
-from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError
+from chatq.worker.grammar import CALL_TAGS, Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser
 from chatq.worker.parse.forced import NamedToolParser, RequiredToolParser
 from chatq.worker.parse.reasoning import THINK_END, THINK_START, ReasoningParser
@@ -91,7 +91,10 @@ def sampling_params(
     ]
 
 
-def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
+def grammar_for(
+    req: ChatCompletionRequest | CompletionRequest, compiler: GrammarCompiler, tool_parser: str = ""
+) -> Grammar | None:
+    """The grammar the request holds its output to; `tool_parser`: how the model writes its own calls."""
     param = "tools"  # what a grammar that cannot be compiled is reported against
     try:
         if isinstance(req, ChatCompletionRequest) and (req.forced_tool or req.tool_choice == "required"):
@@ -99,6 +102,10 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
             if req.forced_tool:
                 return compiler.function(tools, req.forced_tool)
             return compiler.tool_calls(tools, parallel=req.parallel_tool_calls)
+        strict = first_strict_tool(req)
+        if isinstance(req, ChatCompletionRequest) and strict is not None:
+            param = f"tools.{strict}.function.strict"
+            return strict_tools(req, compiler, tool_parser, param)
         param = "response_format"
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -128,6 +135,34 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
     return None
 
 
+def first_strict_tool(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The index of the first tool with `strict: true` under tool_choice "auto", where the model calls by itself."""
+    if not isinstance(req, ChatCompletionRequest) or req.tool_choice not in (None, "auto"):
+        return None
+    return next((i for i, t in enumerate(req.tools or []) if t.function.strict), None)
+
+
+def strict_tools(req: ChatCompletionRequest, compiler: GrammarCompiler, tool_parser: str, param: str) -> Grammar:
+    """Calls held to their tools once they open, in the tool parser's format: strict tools' arguments to their
+    schemas. Only formats a structural tag describes can be held so; refused by name otherwise."""
+    if tool_parser not in CALL_TAGS:
+        parsers = " and ".join(sorted(CALL_TAGS))
+        raise BadRequest(
+            f"`strict` tools under tool_choice auto are held to their schemas with the {parsers} tool parsers; "
+            f"this model's is {tool_parser or 'none'}. Leave `strict` out, or name the tool or require one in "
+            "`tool_choice`.",
+            param,
+        )
+    fmt = req.response_format
+    if req.structured_outputs is not None or (fmt is not None and fmt.type != "text"):
+        raise BadRequest(
+            "`strict` tools under tool_choice auto cannot be combined with `response_format` or `structured_outputs`.",
+            param,
+        )
+    tools = [t.model_dump() for t in req.tools or []]
+    return compiler.tool_tags(tool_parser, tools, parallel=req.parallel_tool_calls)
+
+
 def plan(
     req: ChatCompletionRequest | CompletionRequest,
     max_tokens: int,
@@ -139,7 +174,7 @@ def plan(
     bad_words: list[list[int]] | None = None,
 ) -> Plan:
     params = sampling_params(req, max_tokens, eos_ids, defaults, bad_words, thinking_budget(req, settings, tokenizer))
-    grammar = grammar_for(req, compiler) if compiler is not None else None
+    grammar = grammar_for(req, compiler, settings.tool_parser) if compiler is not None else None
     if isinstance(req, CompletionRequest):
         return Plan(params, grammar, ContentParser, False, False, False)
     tool_names = {t.function.name for t in req.tools or []}

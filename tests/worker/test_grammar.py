@@ -498,3 +498,59 @@ def test_string_anchors_are_refused_because_the_grammar_engine_reads_them_as_let
     )
     with pytest.raises(BadRequest, match="string anchors"):
         req.check()
+
+
+def strict_request(**fields: Any) -> ChatCompletionRequest:
+    tools = [TOOLS[0] | {"function": TOOLS[0]["function"] | {"strict": True}}, TOOLS[1]]
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, **fields)
+
+
+def takes(grammar: Grammar, tokenizer: Tokenizer, text: str) -> bool:
+    state = GrammarState(grammar)
+    return all(state.accept(t) for t in ids(tokenizer, text))
+
+
+@pytest.mark.parametrize(
+    ("parser", "call"),
+    [
+        ("hermes", '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'),
+        ("hermes", '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'),
+        ("llama3_json", '{{"name": "{name}", "parameters": {args}}}'),
+    ],
+)
+def test_strict_tools_under_auto_hold_a_call_to_its_schema_once_it_opens(compiler, tokenizer, parser, call):
+    grammar = grammar_for(strict_request(), compiler, parser)
+    assert grammar is not None
+
+    def written(name: str, args: str, before: str = "Let me look. ") -> str:
+        return before + call.format(name=name, args=args)
+
+    good = '{"city": "Paris", "unit": "celsius"}'
+    assert takes(grammar, tokenizer, written("get_weather", good) + " Done.")
+    assert takes(grammar, tokenizer, "Just text, no call.")
+    assert not takes(grammar, tokenizer, written("get_weather", '{"city": "Paris"}'))  # "unit" is required
+    assert not takes(grammar, tokenizer, written("get_weather", '{"town": "Paris", "unit": "celsius"}'))
+    assert not takes(grammar, tokenizer, written("get_time", "{}"))  # no such tool
+    # A tool without `strict` keeps the call's shape, its arguments any JSON object.
+    assert takes(grammar, tokenizer, written("search", '{"anything": [1, 2]}'))
+    assert not takes(grammar, tokenizer, written("search", '"text"'))
+    one = grammar_for(strict_request(parallel_tool_calls=False), compiler, parser)
+    assert one is not None
+    assert takes(one, tokenizer, written("get_weather", good))
+    assert not takes(one, tokenizer, written("get_weather", good) + written("search", "{}", before=" "))
+
+
+@pytest.mark.parametrize(
+    ("parser", "fields"),
+    [
+        ("pythonic", {}),
+        ("", {}),
+        ("hermes", {"response_format": {"type": "json_object"}}),
+        ("hermes", {"structured_outputs": {"regex": "a+"}}),
+    ],
+)
+def test_strict_tools_under_auto_are_refused_by_name_where_they_cannot_be_held(compiler, parser, fields):
+    with pytest.raises(BadRequest) as e:
+        grammar_for(strict_request(**fields), compiler, parser)
+    assert e.value.param == "tools.0.function.strict"
+    grammar_for(strict_request(tool_choice="none", **fields), compiler, parser)  # no call to hold: no refusal

@@ -270,7 +270,33 @@ def test_hermes_calls_from_auto_tool_choice(decoder):
         if e.event is EventKind.chunk and e.data["choices"]
         for tc in e.data["choices"][0]["delta"].get("tool_calls", [])
     ]
-    assert [tc["index"] for tc in streamed] == [0] and streamed[0]["function"]["name"] == "get_weather"
+    assert {tc["index"] for tc in streamed} == {0} and streamed[0]["function"]["name"] == "get_weather"
+    assert "".join(tc["function"]["arguments"] for tc in streamed) == call["function"]["arguments"]
+
+
+AUTO_CALLS = {
+    "hermes": 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+    "pythonic": '[get_weather(city="Paris", days=3)]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(AUTO_CALLS))
+def test_auto_tool_calls_stream_token_by_token_as_the_whole_answer_has_them(decoder, parser):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = AUTO_CALLS[parser]
+    events, streamed = run_text(decoder, text, Settings(tool_parser=parser), tools=tools, stream=True)
+    _, whole = run_text(decoder, text, Settings(tool_parser=parser), tools=tools)
+    chunks = [e.data["choices"][0] for e in events if e.event is EventKind.chunk and e.data["choices"]]
+    entries = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    head, fragments = entries[0], entries[1:]
+    assert head["id"] == whole["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert head["type"] == "function" and head["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"} for f in fragments)
+    assert (
+        len(fragments) > 1 and "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris", "days": 3}'
+    )
+    assert streamed["choices"] == whole["choices"] and chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def feed_all(run: JobRun, token_ids: list[int], last_finish: Finish, logprobs: bool = False) -> tuple[list, dict]:
@@ -365,6 +391,11 @@ RESUMED = {
         | {"tool_choice": "required"},
         '[{"name": "f", "parameters": {"city": "Paris"}}]',
         Settings(),
+    ),
+    "hermes calls streamed under auto": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "stream": True},
+        'Sure. <tool_call>{"name": "f", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>',
+        Settings(tool_parser="hermes"),
     ),
     "a JSON object held by the grammar": ({"response_format": {"type": "json_object"}}, '{"a": [1, 2]}', Settings()),
     "a legacy echo with text offsets": (None, " and then some 🙂 more", Settings()),
