@@ -10,7 +10,7 @@ from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.sampling import GREEDY_BELOW
+from chatq.core.sampling import GREEDY_BELOW, OPENAI_DEFAULTS, effective
 from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
@@ -233,9 +233,11 @@ class GenerationRequest(BaseModel):
     )
     include_stop_str_in_output: bool = False
     n: int = bounded(1, Range(f"n must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
-    presence_penalty: float = bounded(0.0, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    frequency_penalty: float = bounded(0.0, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    # None: the model's generation_config, else 1
+    # The sampling fields left None take the served model's defaults (chatq.core.sampling.effective).
+    presence_penalty: float | None = bounded(None, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
+    frequency_penalty: float | None = bounded(
+        None, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2)
+    )
     repetition_penalty: float | None = bounded(
         None, Range("repetition_penalty must be greater than zero", exclusiveMinimum=0)
     )
@@ -289,9 +291,14 @@ class GenerationRequest(BaseModel):
         value: int | None = getattr(self, self.max_tokens_param)
         return value
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature is not None and self.temperature < GREEDY_BELOW
+    def sampling(self, defaults: dict[str, float]) -> dict[str, float]:
+        """The sampling fields as the job runs them, under the served model's `defaults`."""
+        return effective({name: getattr(self, name) for name in OPENAI_DEFAULTS}, defaults)
+
+    def check_greedy(self, defaults: dict[str, float]) -> None:
+        """n > 1 needs sampling, whether the request's temperature or the model's default makes it greedy."""
+        if self.n > 1 and self.sampling(defaults)["temperature"] < GREEDY_BELOW:
+            raise BadRequest("n must be 1 when using greedy sampling", "n")
 
     def check(self) -> None:
         """Checks beyond single-field types; raises BadRequest naming the offending param."""
@@ -308,7 +315,7 @@ class GenerationRequest(BaseModel):
 
         for name, allowed in self._ranges():
             allowed.check(getattr(self, name), name)
-        need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
+        self.check_greedy({})
         # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
         token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
         need(

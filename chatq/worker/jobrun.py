@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatq.core import chunks, logs
+from chatq.core import chunks, logs, sampling
 from chatq.core.chunks import TokenInfo
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
@@ -93,7 +93,7 @@ class JobRun:
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         room = self.model.max_model_len - len(job.prompt_ids)
-        max_tokens = min(req.max_new_tokens or room, room)
+        max_tokens = sampling.max_tokens(req.max_new_tokens, self.model.sampling_defaults, room)
         self.plan = plan(req, max_tokens, self.eos_ids, self.model.sampling_defaults, compiler, settings)
         # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
