@@ -31,7 +31,8 @@ _TEXT_PARTS = {
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role: one besides the five reaches the chat template as given, as vLLM passes it.
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -110,7 +111,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
@@ -210,6 +210,24 @@ def token_limit(param: str) -> Range:
     return Range(f"{param} must be at least 1", minimum=1)
 
 
+# vLLM's limits on a cache_salt.
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """A cache_salt is a non-empty string of at most 128 characters, none of @ / \\ or NUL, as vLLM takes one."""
+    if salt is None:
+        return
+    if not salt:
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise BadRequest(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by chat and legacy text completions: how to sample and how to stream."""
 
@@ -250,6 +268,9 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
+    # Partitions the prefix cache further within the API key's partition: only requests with the same salt share
+    # cached prompt blocks.
+    cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -336,6 +357,7 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens must be -1 or at least 1",
             "truncate_prompt_tokens",
         )
+        check_cache_salt(self.cache_salt)
         self._check_structured()
 
     @classmethod

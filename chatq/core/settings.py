@@ -105,6 +105,9 @@ class Settings(BaseSettings):
     # Comma-separated keys clients send as `Authorization: Bearer <key>`; empty: the API is open to anyone. Secret,
     # so a printed or logged Settings never shows them.
     api_keys: SecretStr = SecretStr("")
+    # Whether the jobs of different API keys share the workers' prefix cache. Off: a job reuses only cached prompt
+    # prefixes of its own key (and its own `cache_salt`), so no key can time another's prompts by the first token.
+    share_prefix_cache: bool = False
     # Jobs of one model waiting for a worker (running ones not counted) past which a new request is a 429 (0: no cap).
     max_queued: NonNegative = 1000
     # Request bodies larger than this are a 413, refused before they are read whole.

@@ -100,7 +100,14 @@ class JobRun:
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         for i, params in enumerate(self.plan.params):
-            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority, format=self.plan.grammar)
+            seq = Sequence(
+                f"{job.id}/{i}",
+                job.prompt_ids,
+                params,
+                priority=req.priority,
+                format=self.plan.grammar,
+                cache_salt=bytes.fromhex(job.cache_partition),
+            )
             text = TextStream(
                 self.decoder.tokenizer,
                 req.stop,
@@ -143,7 +150,9 @@ class JobRun:
         choices = self.choices if choices is None else choices
         completion = sum(len(c.seq.output_ids) for c in choices)
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
-        return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
+        # One count per job, as vLLM reports one per request: its first choice's.
+        cached = self.choices[0].seq.cached_prompt_tokens if self.choices else None
+        return chunks.usage(len(self.job.prompt_ids), completion, reasoning, cached)
 
     def progress(self, now: float) -> int | None:
         """The completion tokens to write as the job's progress, when a write is due at `now` (time.monotonic())."""
@@ -167,7 +176,7 @@ class JobRun:
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
-            data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
+            data["usage"] = self.chunks.running_usage(self.usage([self.choices[c["index"]] for c in data["choices"]]))
         ids = None
         if choice is not None and choice.unlogged:
             ids, choice.unlogged = choice.unlogged, []
