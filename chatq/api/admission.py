@@ -40,7 +40,9 @@ class ServedModel:
         return [self.admit(body, self.renderer.encode(p, body.add_special_tokens)) for p in body.prompts]
 
     def admit(self, body: GenerationRequest, prompt_ids: list[int]) -> list[int]:
-        """Checks that need the tokenizer or the context length; returns the prompt as it will run."""
+        """Checks that need the tokenizer, the context length or the model's sampling defaults; returns the prompt as
+        it will run."""
+        body.check_greedy(self.info.sampling_defaults)
         prompt_ids = self._truncated(body, prompt_ids)
         self._check_lengths(body, len(prompt_ids))
         vocab = self.info.vocab_size

@@ -21,7 +21,7 @@ from chatq.api.relay import last_seq
 from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.chunks import cancelled_while_queued
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
-from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
@@ -107,6 +107,7 @@ class JobStore:
             traceparent=trace.get("traceparent", ""),
             tracestate=trace.get("tracestate", ""),
             response=response,
+            cache_partition=cache_partition(owner, request.cache_salt, self.settings.share_prefix_cache),
         )
         lane, now = celery_priority(request.priority, request.background), time.time()
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.

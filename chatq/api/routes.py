@@ -292,6 +292,8 @@ def _card(model: ServedModel) -> dict[str, Any]:
         "owned_by": registry.OWNED_BY,
         "root": info.name,
         "max_model_len": info.max_model_len,
+        # What a request leaves out is sampled with (docs/api.md#sampling).
+        "sampling_defaults": info.sampling_defaults,
     }
 
 

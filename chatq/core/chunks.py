@@ -24,16 +24,19 @@ class TokenInfo:
     bytes: list[int] | None = None  # None: the token's UTF-8
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage object; reasoning_tokens (given when a reasoning parser ran) goes into its details."""
-    out: dict[str, Any] = {
+def usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object, every key present as in vLLM's whole answer: reasoning_tokens (given when a reasoning
+    parser ran) and cached_tokens (the prompt tokens the prefix cache served, once known) go into its details, which
+    are null without them."""
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "completion_tokens_details": None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens},
     }
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return out
 
 
 def delta_json(delta: Delta) -> dict[str, Any]:
@@ -131,7 +134,13 @@ class ChatFormatter:
         ]
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.base, "choices": [], "usage": usage}
+        """The stream's last chunk, its usage without the null details, as vLLM leaves them out."""
+        return {**self.base, "choices": [], "usage": {k: v for k, v in usage.items() if v is not None}}
+
+    def running_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The usage a chunk carries under `continuous_usage_stats`: vLLM's chat chunks name the completion details
+        (null without a reasoning parser), never the prompt's."""
+        return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
     def final_choice(
         self,
@@ -143,7 +152,16 @@ class ChatFormatter:
         finish_reason: str | None,
         stop_reason,
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": content, "reasoning": reasoning}
+        # The keys vLLM and OpenAI always send, null where chatq has nothing for them.
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": reasoning,
+        }
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {
@@ -155,9 +173,7 @@ class ChatFormatter:
         }
 
     def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        # vLLM's whole answer writes every field, this one null without prefix-cache accounting; its stream chunks
-        # leave unset fields out.
-        return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
+        return {**self.final_base, "choices": choices, "usage": usage}
 
 
 def formatter_for(job: Job) -> ChatFormatter:
@@ -214,6 +230,10 @@ class TextFormatter(ChatFormatter):
 
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return text_logprobs(tokens)
+
+    def running_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's legacy chunks count the tokens only."""
+        return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
     @staticmethod
     def read_logprobs(logprobs: dict[str, Any] | None) -> list[TokenInfo]:

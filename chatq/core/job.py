@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,15 @@ class JobStatus(StrEnum):
     @property
     def finished(self) -> bool:
         return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
+
+
+def cache_partition(owner: str, cache_salt: str | None, shared: bool) -> str:
+    """A job's partition of the prefix cache: its API key's (`owner`, the key's hash) unless the cache is `shared`
+    across keys, and within it its cache_salt's; "" where neither applies."""
+    scope = ("" if shared else owner, cache_salt or "")
+    if not any(scope):
+        return ""
+    return hashlib.sha256("\0".join(scope).encode()).hexdigest()
 
 
 class Job(BaseModel):
@@ -49,6 +59,9 @@ class Job(BaseModel):
     # A response's own fields (chatq.core.response_object): its echoed request, its input items and the earlier items
     # its conversation starts with.
     response: dict[str, Any] | None = None
+    # The job's partition of the workers' prefix cache, a hex digest ("" for the one every job of an open API without
+    # a cache_salt shares): set where the job is submitted, from its API key and cache_salt.
+    cache_partition: str = ""
     # When the job ended (unix seconds), as its worker wrote it; read only.
     finished: float | None = None
 
@@ -93,6 +106,8 @@ class Job(BaseModel):
             out["tracestate"] = self.tracestate
         if self.response is not None:
             out["response"] = json.dumps(self.response)
+        if self.cache_partition:
+            out["cache_partition"] = self.cache_partition
         return out
 
     @classmethod
@@ -118,6 +133,7 @@ class Job(BaseModel):
             traceparent=h.get("traceparent", ""),
             tracestate=h.get("tracestate", ""),
             response=json.loads(h["response"]) if "response" in h else None,
+            cache_partition=h.get("cache_partition", ""),
             finished=float(h["finished"]) if "finished" in h else None,
         )
 

@@ -10,7 +10,7 @@ from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.sampling import GREEDY_BELOW
+from chatq.core.sampling import GREEDY_BELOW, OPENAI_DEFAULTS, effective
 from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
@@ -31,7 +31,8 @@ _TEXT_PARTS = {
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role: one besides the five reaches the chat template as given, as vLLM passes it.
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -102,7 +103,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
@@ -257,6 +257,24 @@ def token_limit(param: str) -> Range:
     return Range(f"{param} must be at least 1", minimum=1)
 
 
+# vLLM's limits on a cache_salt.
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """A cache_salt is a non-empty string of at most 128 characters, none of @ / \\ or NUL, as vLLM takes one."""
+    if salt is None:
+        return
+    if not salt:
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise BadRequest(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by chat and legacy text completions: how to sample and how to stream."""
 
@@ -280,9 +298,11 @@ class GenerationRequest(BaseModel):
     )
     include_stop_str_in_output: bool = False
     n: int = bounded(1, Range(f"n must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
-    presence_penalty: float = bounded(0.0, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    frequency_penalty: float = bounded(0.0, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    # None: the model's generation_config, else 1
+    # The sampling fields left None take the served model's defaults (chatq.core.sampling.effective).
+    presence_penalty: float | None = bounded(None, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
+    frequency_penalty: float | None = bounded(
+        None, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2)
+    )
     repetition_penalty: float | None = bounded(
         None, Range("repetition_penalty must be greater than zero", exclusiveMinimum=0)
     )
@@ -297,6 +317,9 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
+    # Partitions the prefix cache further within the API key's partition: only requests with the same salt share
+    # cached prompt blocks.
+    cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # Token filters, as vLLM applies them after the logprobs are taken: only these ids may be sampled; these words
@@ -358,9 +381,14 @@ class GenerationRequest(BaseModel):
         value: int | None = getattr(self, self.max_tokens_param)
         return value
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature is not None and self.temperature < GREEDY_BELOW
+    def sampling(self, defaults: dict[str, float]) -> dict[str, float]:
+        """The sampling fields as the job runs them, under the served model's `defaults`."""
+        return effective({name: getattr(self, name) for name in OPENAI_DEFAULTS}, defaults)
+
+    def check_greedy(self, defaults: dict[str, float]) -> None:
+        """n > 1 needs sampling, whether the request's temperature or the model's default makes it greedy."""
+        if self.n > 1 and self.sampling(defaults)["temperature"] < GREEDY_BELOW:
+            raise BadRequest("n must be 1 when using greedy sampling", "n")
 
     def check(self) -> None:
         """Checks beyond single-field types; raises BadRequest naming the offending param."""
@@ -381,7 +409,7 @@ class GenerationRequest(BaseModel):
 
         for name, allowed in self._ranges():
             allowed.check(getattr(self, name), name)
-        need(self.n == 1 or not self.greedy, "n must be 1 when using greedy sampling", "n")
+        self.check_greedy({})
         if not self.scores_only:
             # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
             token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
@@ -404,6 +432,7 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens",
         )
         self._check_prompt_logprobs()
+        check_cache_salt(self.cache_salt)
         self._check_structured()
         self._check_token_filters()
 

@@ -56,6 +56,11 @@ class Sequence:
     arrival: int = -1  # its place in the engine's first-come order, set by the engine when it takes it in
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is in the cache
+    # Prompt tokens the prefix cache served when it was first admitted (usage's cached_tokens); None until then.
+    cached_prompt_tokens: int | None = None
+    # Where its prompt's blocks are looked up and registered in the prefix cache: sequences share cached blocks only
+    # within one partition (an API key's, a cache_salt's).
+    cache_salt: bytes = b""
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -457,6 +462,8 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = seq.num_cached
             self.stats.prefix_queries += len(seq)
             self.stats.prefix_hits += seq.num_cached
             self.blocks.grow(seq, seq.num_cached + n)

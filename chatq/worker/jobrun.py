@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatq.core import chunks, logs
+from chatq.core import chunks, logs, sampling
 from chatq.core.chunks import TokenInfo
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
@@ -115,7 +115,9 @@ class JobRun:
         self.silent = req.scores_only
         for p, prompt_ids in enumerate(job.prompts):
             room = self.model.max_model_len - len(prompt_ids)
-            max_tokens = 1 if self.silent else min(req.max_new_tokens or room, room)
+            max_tokens = (
+                1 if self.silent else sampling.max_tokens(req.max_new_tokens, self.model.sampling_defaults, room)
+            )
             echo = self._echo(p, prompt_ids)
             for i, params in enumerate(self.plan.params):
                 params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -126,7 +128,14 @@ class JobRun:
     ) -> Choice:
         """Choice `index`, which answers prompt `p`."""
         req = self.job.request
-        seq = Sequence(f"{self.job.id}/{index}", prompt_ids, params, priority=req.priority, format=self.plan.grammar)
+        seq = Sequence(
+            f"{self.job.id}/{index}",
+            prompt_ids,
+            params,
+            priority=req.priority,
+            format=self.plan.grammar,
+            cache_salt=bytes.fromhex(self.job.cache_partition),
+        )
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
         text = TextStream(
@@ -170,8 +179,12 @@ class JobRun:
         completion = sum(len(c.seq.output_ids) for c in choices)
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
         prompts = self.job.prompts
-        prompt = sum(len(prompts[p]) for p in {c.prompt for c in choices})
-        return chunks.usage(prompt, completion, reasoning)
+        answered = sorted({c.prompt for c in choices})
+        prompt = sum(len(prompts[p]) for p in answered)
+        # One count per prompt, as vLLM reports one per request: its first choice's.
+        firsts = [next(c for c in self.choices if c.prompt == p).seq.cached_prompt_tokens for p in answered]
+        cached = None if None in firsts or not firsts else sum(c or 0 for c in firsts)
+        return chunks.usage(prompt, completion, reasoning, cached)
 
     def progress(self, now: float) -> int | None:
         """The completion tokens to write as the job's progress, when a write is due at `now` (time.monotonic())."""
@@ -195,7 +208,7 @@ class JobRun:
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
-            data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
+            data["usage"] = self.chunks.running_usage(self.usage([self.choices[c["index"]] for c in data["choices"]]))
         ids = None
         if choice is not None and choice.unlogged:
             ids, choice.unlogged = choice.unlogged, []

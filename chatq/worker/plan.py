@@ -51,7 +51,7 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     max_tokens: int,
     eos_ids: frozenset[int],
-    defaults: dict,
+    defaults: dict[str, float],
     bad_words: list[list[int]] | None = None,
     thinking: ThinkingBudget | None = None,
 ) -> list[SamplingParams]:
@@ -59,23 +59,19 @@ def sampling_params(
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
     rd = req.repetition_detection
     repetition = (rd.min_pattern_size, rd.max_pattern_size, rd.min_count) if rd and rd.max_pattern_size else None
-
-    def pick(name: str, fallback: float) -> float:
-        value = getattr(req, name)
-        return value if value is not None else defaults.get(name, fallback)
-
+    s = req.sampling(defaults)
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=int(pick("top_k", 0)),
-            min_p=pick("min_p", 0.0),
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=int(s["top_k"]),
+            min_p=s["min_p"],
             # Choices of one request must differ, yet stay reproducible under one seed.
             seed=None if req.seed is None else req.seed + i,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=s["presence_penalty"],
+            frequency_penalty=s["frequency_penalty"],
+            repetition_penalty=s["repetition_penalty"],
             logit_bias=req.bias(),
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
@@ -167,7 +163,7 @@ def plan(
     req: ChatCompletionRequest | CompletionRequest,
     max_tokens: int,
     eos_ids: frozenset[int],
-    defaults: dict,
+    defaults: dict[str, float],
     compiler: GrammarCompiler | None,
     settings: Settings,
     tokenizer: Tokenizer,

@@ -125,9 +125,10 @@ class VllmEngine:
 
         try:
             params = self._params(seq)
-            (prompt,) = self.engine.renderer.render_cmpl(
-                [TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.output_ids)]
-            )
+            tokens = TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.output_ids)
+            if seq.cache_salt:
+                tokens["cache_salt"] = seq.cache_salt.hex()  # vLLM's own partition of its prefix cache
+            (prompt,) = self.engine.renderer.render_cmpl([tokens])
             self.engine.add_request(seq.id, prompt, params, priority=seq.priority)
         except Exception as e:  # vLLM's checks of one request: that request fails, not the worker
             log.warning("vLLM refused sequence %s: %s", seq.id, e, extra=job_of(seq))
@@ -192,6 +193,8 @@ class VllmEngine:
             seq.prompt_logprobs = [
                 token_logprob(t, e, k, ranked=True) for t, e in zip(seq.prompt_ids[1:], entries, strict=True)
             ]
+        if seq.cached_prompt_tokens is None and request.num_cached_tokens is not None:
+            seq.cached_prompt_tokens = request.num_cached_tokens
         outputs = []
         for i, token in enumerate(done.token_ids):
             finish = seq.take(token, self.max_model_len)

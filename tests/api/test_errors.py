@@ -21,7 +21,10 @@ INVALID = [
     ({"model": "gpt-9", "messages": M, "stream": True}, 404, "NotFoundError", "model"),
     ({}, 400, BAD, "messages"),
     ({"messages": []}, 400, BAD, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, BAD, "messages.0.role"),
+    ({"messages": [{"content": "x"}]}, 400, BAD, "messages.0.role"),
+    ({"messages": M, "cache_salt": ""}, 400, BAD, "cache_salt"),
+    ({"messages": M, "cache_salt": "tenant/a"}, 400, BAD, "cache_salt"),
+    ({"messages": M, "cache_salt": "s" * 129}, 400, BAD, "cache_salt"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         400,

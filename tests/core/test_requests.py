@@ -13,10 +13,15 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_null_reads_as_left_out_where_a_field_cannot_be_null():
-    body = {"messages": MESSAGES, "n": None, "stream": None, "presence_penalty": None, "add_generation_prompt": None}
+    body = {"messages": MESSAGES, "n": None, "stream": None, "min_tokens": None, "add_generation_prompt": None}
     req = ChatCompletionRequest.model_validate(body)
-    assert (req.n, req.stream, req.presence_penalty, req.add_generation_prompt) == (1, False, 0.0, True)
-    # Where null means something it stays: a legacy completion's max_tokens null is "the room left", not 16.
+    assert (req.n, req.stream, req.min_tokens, req.add_generation_prompt) == (1, False, 0, True)
+    # Where null means something it stays: a penalty left out takes the model's default, else OpenAI's.
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "presence_penalty": None})
+    assert (
+        req.sampling({"presence_penalty": 0.5})["presence_penalty"] == 0.5 and req.sampling({})["presence_penalty"] == 0
+    )
+    # A legacy completion's max_tokens null is "the room left", not 16.
     assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
     assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
 
@@ -80,7 +85,6 @@ def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
         ({"guided_json": {"type": "object"}}, "guided_json"),  # vLLM's older name: unconstrained output otherwise
         ({"guided_regex": "a+"}, "guided_regex"),
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
-        ({"cache_salt": "s3cret"}, "cache_salt"),
         ({"truncation_side": "right"}, "truncation_side"),
         ({"stream_interval": 4}, "stream_interval"),
         (

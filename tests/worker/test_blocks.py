@@ -13,11 +13,12 @@ class Seq:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached: int = 0
+    cache_salt: bytes = b""
 
 
-def computed(manager: BlockManager, prompt: list[int]) -> Seq:
+def computed(manager: BlockManager, prompt: list[int], salt: bytes = b"") -> Seq:
     """A sequence whose prompt went through a forward pass, its full blocks registered for sharing."""
-    seq = Seq(prompt)
+    seq = Seq(prompt, cache_salt=salt)
     manager.reuse_prefix(seq)
     assert manager.grow(seq, len(prompt))
     seq.num_cached = len(prompt)
@@ -35,3 +36,14 @@ def test_a_cached_prefix_loses_its_end_first_when_the_pool_runs_short():
     manager.reuse_prefix(again)
     # The block evicted was the prefix's last: its first two are still found, not left cached but unreachable.
     assert again.num_cached == 8
+
+
+def test_a_prefix_cached_under_one_salt_is_found_only_under_that_salt():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    system = list(range(100, 112))
+    computed(manager, [*system, 1], salt=b"key a")
+    for salt, found in ((b"key a", 12), (b"key b", 0), (b"", 0)):
+        seq = Seq([*system, 2], cache_salt=salt)
+        manager.reuse_prefix(seq)
+        assert seq.num_cached == found, salt
+        manager.release(seq)

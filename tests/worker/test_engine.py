@@ -344,6 +344,22 @@ def test_a_repeated_pattern_ends_a_sequence_as_vllm_detects_it():
         assert ends == [None] * at + [Finish.repetition]
 
 
+def test_a_sequence_counts_the_prompt_the_prefix_cache_served_within_its_salt_only(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+
+    def served(name: str, salt: bytes) -> Sequence:
+        seq = Sequence(name, prompts[1], SamplingParams(max_tokens=NEW, temperature=0), cache_salt=salt)
+        return run(engine, [seq])[name]
+
+    first = served("a", b"key a")
+    assert first.cached_prompt_tokens == 0 and first.output_ids == reference[1]
+    again = served("b", b"key a")
+    assert again.cached_prompt_tokens == (len(prompts[1]) - 1) // 16 * 16 > 0
+    assert again.output_ids == reference[1]
+    assert served("c", b"key b").cached_prompt_tokens == 0
+    assert served("d", b"").cached_prompt_tokens == 0
+
+
 def test_stop_token_ends_a_sequence(model, prompts, reference):
     stop_at = reference[0][4]
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
