@@ -82,6 +82,7 @@ class JobRun:
         self.progress_at = 0.0  # time.monotonic() of its last progress write
         self.eos_ids = frozenset(model.eos_token_ids)
         self.continuous_usage = False
+        self.return_ids = False  # return_token_ids, where the job shows its tokens
         self.resumed = False
         self.clock = clock or JobClock.starting()
         self.choices: list[Choice] = []
