@@ -75,7 +75,12 @@ SCHEMAS = {
         "required": ["age", "score"],
     },
 }
-SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}]
+# Sampled over the whole distribution, whatever the model's generation defaults.
+SAMPLINGS = [
+    {"temperature": 0},
+    {"temperature": 1.0, "top_p": 1.0, "seed": 1},
+    {"temperature": 1.0, "top_p": 1.0, "seed": 2},
+]
 
 
 def parallel(fn, jobs):
