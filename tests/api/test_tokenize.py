@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from chatq.core import keys
 from chatq.core.registry import entry, register
@@ -25,7 +26,12 @@ def test_tokenize_counts_what_the_template_makes_of_tools_and_documents(http, r)
     documents = [{"text": "It rains in Paris."}]
     try:
         request = {"model": info.name, "messages": messages}
-        plain = http.post("/tokenize", json=request).json()
+        # The API reads the registry anew at most every 0.1 s on a miss: a reading under way may predate the entry.
+        deadline = time.time() + 10
+        while (resp := http.post("/tokenize", json=request)).status_code == 404:
+            assert time.time() < deadline, resp.text
+            time.sleep(0.1)
+        plain = resp.json()
         full = http.post("/tokenize", json=request | {"tools": tools, "documents": documents}).json()
         text = http.post("/detokenize", json={"model": info.name, "tokens": full["tokens"]}).json()["prompt"]
     finally:
