@@ -25,6 +25,7 @@ class ZeroEngine(Engine):
         self.wakeup = threading.Event()
         self.waiting = []
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()

@@ -156,3 +156,27 @@ def test_what_beam_search_and_best_of_cannot_honour_is_refused_by_name(http, mod
     resp = http.post("/v1/chat/completions", json={"model": model_name, "messages": COLOUR, **fields})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_each_prompt_of_a_list_gets_its_own_beams_and_best_of(http, model, renderer, model_name):
+    prompts = [START, "Once upon a time"]
+    body = {"model": model_name, "prompt": prompts, "n": 2, "use_beam_search": True, "max_tokens": 12}
+    expected = []
+    for prompt in prompts:
+        expected += transformers_texts(model, renderer, prompt_ids(http, prompt=prompt), 2, 12)[0]
+    whole = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+    assert [c["text"] for c in whole["choices"]] == expected
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in whole["choices"][1:3]] == [
+        prompt_ids(http, prompt=START),
+        prompt_ids(http, prompt=prompts[1]),
+    ]
+    assert [renderer.tokenizer.decode(c["token_ids"]) for c in whole["choices"]] == expected
+    # best_of ranks each prompt's candidates among themselves.
+    sampled = {"model": model_name, "prompt": prompts, "max_tokens": 8, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    candidates = http.post("/v1/completions", json={**sampled, "n": 3}).json()["choices"]
+    best = http.post("/v1/completions", json={**sampled, "best_of": 3}).json()["choices"]
+    for p in range(2):
+        mine = candidates[3 * p : 3 * p + 3]
+        top = max(mine, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+        assert (best[p]["index"], best[p]["text"]) == (p, top["text"])

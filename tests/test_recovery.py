@@ -76,12 +76,12 @@ def assert_whole(fs: list[Frame]) -> None:
 
 
 def stream_signalling(
-    cluster: Cluster, http: httpx.Client, request: dict, at: int, *sigs: int
+    cluster: Cluster, http: httpx.Client, request: dict, at: int, *sigs: int, path: str = "/v1/chat/completions"
 ) -> tuple[list[Frame], str]:
     """The frames of a streamed request whose worker gets `sigs` once the stream carried `at` events; that worker."""
     got: list[Frame] = []
     holder = ""
-    with http.stream("POST", "/v1/chat/completions", json=request, timeout=httpx.Timeout(120, read=90)) as resp:
+    with http.stream("POST", path, json=request, timeout=httpx.Timeout(120, read=90)) as resp:
         assert resp.status_code == 200, resp.read()
         for frame in frames(resp.iter_lines()):
             got.append(frame)
@@ -140,6 +140,27 @@ def test_a_response_whose_worker_is_killed_continues_on_another(cluster, http):
     assert text == expected and events[-1].response.output_text == expected
     job_id = events[0].response.id
     assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    cluster.wait_live(cluster.start_worker())
+
+
+def test_a_scored_batch_whose_worker_is_killed_gives_the_same_answer(cluster, http):
+    prompts = ["The lighthouse keeper looked at the sea and", "Once upon a time, in a village by the sea,"]
+    request = {"prompt": prompts, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
+    expected = http.post("/v1/completions", json=request).json()["choices"]
+    fs, killed = stream_signalling(
+        cluster, http, {**request, "stream": True}, 20, signal.SIGKILL, path="/v1/completions"
+    )
+    assert_whole(fs)
+    job_id = fs[0].json["id"]
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    result = http.get(f"/v1/chat/completions/{job_id}").json()["choices"]
+    for whole, got in zip(expected, result, strict=True):
+        streamed = [c for f in fs[:-1] for c in f.json["choices"] if c["index"] == whole["index"]]
+        assert "".join(c["text"] for c in streamed) == got["text"] == whole["text"]
+        tokens = [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert tokens == got["logprobs"]["tokens"] == whole["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"][0] is None
+        assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-4)
     cluster.wait_live(cluster.start_worker())
 
 
@@ -225,7 +246,7 @@ def test_a_stopped_worker_finishes_what_fits_its_grace_and_hands_the_rest_over(c
     # Two workers of a model of their own, with a grace that a short job fits in however slow the machine.
     model = "graceful"
     pair = [
-        cluster.start_worker(model, CHATQ_MODEL=str(cluster.settings.model_dir), CHATQ_STOP_GRACE="5") for _ in "ab"
+        cluster.start_worker(model, CHATQ_MODEL=str(cluster.settings.model_dir), CHATQ_STOP_GRACE="15") for _ in "ab"
     ]
     cluster.wait_live(*pair)
     try:

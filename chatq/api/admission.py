@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
-from chatq.core.render import Renderer
+from chatq.core.render import Renderer, bad_words_ids
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 
@@ -22,8 +22,9 @@ class ServedModel:
     renderer: Renderer = field(repr=False, compare=False)
 
     @classmethod
-    def build(cls, info: ModelInfo, created: int, digest: str) -> ServedModel:
-        return cls(info, created, digest, Renderer(info))
+    def build(cls, info: ModelInfo, created: int, digest: str, trust_request_templates: bool = False) -> ServedModel:
+        """`trust_request_templates`: CHATQ_TRUST_REQUEST_CHAT_TEMPLATE, whether a request may bring its own."""
+        return cls(info, created, digest, Renderer(info, trust_request_templates=trust_request_templates))
 
     @property
     def name(self) -> str:
@@ -33,16 +34,20 @@ class ServedModel:
         body.check()
         return self.admit(body, self.renderer.render(body).ids)
 
-    def text_prompt(self, body: CompletionRequest) -> list[int]:
+    def text_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """Each of the request's prompts as it will run."""
         body.check()
-        return self.admit(body, self.renderer.encode(body.prompt, body.add_special_tokens))
+        return [self.admit(body, self.renderer.encode(p, body.add_special_tokens)) for p in body.prompts]
 
     def admit(self, body: GenerationRequest, prompt_ids: list[int]) -> list[int]:
-        """Checks that need the tokenizer or the context length; returns the prompt as it will run."""
+        """Checks that need the tokenizer, the context length or the model's sampling defaults; returns the prompt as
+        it will run."""
+        body.check_greedy(self.info.sampling_defaults)
         prompt_ids = self._truncated(body, prompt_ids)
         self._check_lengths(body, len(prompt_ids))
         vocab = self.info.vocab_size
-        body.check_bias(vocab)
+        body.check_vocab(vocab)
+        bad_words_ids(self.renderer.tokenizer, body.bad_words)  # a word that makes no token is a 400 now
         if any(t >= vocab for t in body.stop_token_ids or []):
             raise BadRequest(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         if any(not 0 <= t < vocab for t in prompt_ids):

@@ -21,7 +21,7 @@ from chatq.api.relay import last_seq
 from chatq.core import keys, logs, scripts, telemetry
 from chatq.core.chunks import cancelled_while_queued
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
-from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
@@ -85,7 +85,7 @@ class JobStore:
         request: ChatCompletionRequest | CompletionRequest,
         kind: Literal["chat", "text", "response"],
         model: str,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         request_id: str | None,
         owner: str = "",
         idempotency_key: str | None = None,
@@ -93,8 +93,8 @@ class JobStore:
         response: dict[str, Any] | None = None,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
-        `idempotency_key` already names for this owner, with nothing enqueued. `trace` is the trace context the
-        job keeps (telemetry.job_trace)."""
+        `idempotency_key` already names for this owner, with nothing enqueued. `prompts`: the prompt's ids, or each
+        of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace)."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         job = Job(
@@ -102,10 +102,12 @@ class JobStore:
             model=model,
             kind=kind,
             request=request,
-            prompt_ids=prompt_ids,
+            prompt_ids=prompts[0],
+            batch=prompts if len(prompts) > 1 else [],
             traceparent=trace.get("traceparent", ""),
             tracestate=trace.get("tracestate", ""),
             response=response,
+            cache_partition=cache_partition(owner, request.cache_salt, self.settings.share_prefix_cache),
         )
         lane, now = celery_priority(request.priority, request.background), time.time()
         # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
@@ -296,7 +298,7 @@ class JobStore:
             }
         obj["status"] = job.status.value
         progress: dict[str, Any] = {
-            "prompt_tokens": len(job.prompt_ids),
+            "prompt_tokens": job.prompt_tokens,
             "completion_tokens": job.completion_tokens,
         }
         if job.status is JobStatus.queued:

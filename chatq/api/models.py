@@ -95,4 +95,5 @@ class Models:
         fields: dict[str, Any] = await self.redis.hgetall(keys.model(name))  # type: ignore[misc,assignment]
         if "record" in fields:  # not unregistered meanwhile
             info, created, digest = await self.off_loop(registry.read_entry, fields)
-            self.served[name] = await self.off_loop(ServedModel.build, info, created, digest)
+            trust = self.settings.trust_request_chat_template
+            self.served[name] = await self.off_loop(ServedModel.build, info, created, digest, trust)

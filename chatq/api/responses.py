@@ -76,7 +76,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
         chat,
         "response",
         model.name,
-        prompt_ids,
+        [prompt_ids],
         response_id.removeprefix("resp_"),
         sub.owner,
         sub.idempotency_key,

@@ -150,14 +150,14 @@ SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
     model = await svc.models.get(body.model, need_worker=not body.background)
     prompt_ids = await svc.models.off_loop(model.chat_prompt, body)
-    return await _respond(svc, body, "chat", model.name, prompt_ids, request, sub)
+    return await _respond(svc, body, "chat", model.name, [prompt_ids], request, sub)
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
     model = await svc.models.get(body.model, need_worker=not body.background)
-    prompt_ids = await svc.models.off_loop(model.text_prompt, body)
-    return await _respond(svc, body, "text", model.name, prompt_ids, request, sub)
+    prompts = await svc.models.off_loop(model.text_prompts, body)
+    return await _respond(svc, body, "text", model.name, prompts, request, sub)
 
 
 @router.get("/v1/chat/completions")
@@ -292,6 +292,8 @@ def _card(model: ServedModel) -> dict[str, Any]:
         "owned_by": registry.OWNED_BY,
         "root": info.name,
         "max_model_len": info.max_model_len,
+        # What a request leaves out is sampled with (docs/api.md#sampling).
+        "sampling_defaults": info.sampling_defaults,
     }
 
 
@@ -314,7 +316,7 @@ async def _respond(
     body: ChatCompletionRequest | CompletionRequest,
     kind: Literal["chat", "text"],
     model: str,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     request: Request,
     sub: Submit,
 ) -> Any:
@@ -325,7 +327,7 @@ async def _respond(
     """
     request_id = sub.request_id or body.request_id
     job, position, created = await svc.store.submit(
-        body, kind, model, prompt_ids, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
+        body, kind, model, prompts, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
     )
     answer = await _answer(svc, body, job, position, request, created and not body.background)
     answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`: the id to look the job up by
@@ -397,6 +399,7 @@ def _as_chat(body: TokenizeRequest) -> ChatCompletionRequest:
         add_special_tokens=bool(body.add_special_tokens),
         tools=body.tools,
         documents=body.documents,
+        chat_template=body.chat_template,
     )
     chat.check()
     return chat

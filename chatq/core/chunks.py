@@ -18,22 +18,25 @@ class TokenInfo:
     that holds part of a character, whose text is U+FFFD: then they are what it holds, for a client to join."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token, which nothing comes before
     top: list[tuple[str, float, list[int] | None]]  # (token, logprob, bytes)
     offset: int = 0  # where its text begins in the choice's text (legacy text_offset)
     bytes: list[int] | None = None  # None: the token's UTF-8
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage object; reasoning_tokens (given when a reasoning parser ran) goes into its details."""
-    out: dict[str, Any] = {
+def usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object, every key present as in vLLM's whole answer: reasoning_tokens (given when a reasoning
+    parser ran) and cached_tokens (the prompt tokens the prefix cache served, once known) go into its details, which
+    are null without them."""
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "completion_tokens_details": None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens},
     }
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return out
 
 
 def delta_json(delta: Delta) -> dict[str, Any]:
@@ -55,7 +58,7 @@ def delta_json(delta: Delta) -> dict[str, Any]:
     return out
 
 
-def _entry(token: str, logprob: float, raw: list[int] | None) -> dict[str, Any]:
+def _entry(token: str, logprob: float | None, raw: list[int] | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode()) if raw is None else raw}
 
 
@@ -73,7 +76,9 @@ def text_logprobs(tokens: list[TokenInfo]) -> dict[str, Any]:
         "tokens": [t.token for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         # The sampled token first, then the top ones (OpenAI's and vLLM's legacy shape).
-        "top_logprobs": [{t.token: t.logprob, **{s: lp for s, lp, _ in t.top}} for t in tokens],
+        "top_logprobs": [
+            None if t.logprob is None else {t.token: t.logprob, **{s: lp for s, lp, _ in t.top}} for t in tokens
+        ],
         "text_offset": [t.offset for t in tokens],
     }
 
@@ -129,7 +134,13 @@ class ChatFormatter:
         ]
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.base, "choices": [], "usage": usage}
+        """The stream's last chunk, its usage without the null details, as vLLM leaves them out."""
+        return {**self.base, "choices": [], "usage": {k: v for k, v in usage.items() if v is not None}}
+
+    def running_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The usage a chunk carries under `continuous_usage_stats`: vLLM's chat chunks name the completion details
+        (null without a reasoning parser), never the prompt's."""
+        return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
     def final_choice(
         self,
@@ -141,7 +152,16 @@ class ChatFormatter:
         finish_reason: str | None,
         stop_reason,
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": content, "reasoning": reasoning}
+        # The keys vLLM and OpenAI always send, null where chatq has nothing for them.
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": reasoning,
+        }
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {
@@ -153,9 +173,7 @@ class ChatFormatter:
         }
 
     def final(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        # vLLM's whole answer writes every field, this one null without prefix-cache accounting; its stream chunks
-        # leave unset fields out.
-        return {**self.final_base, "choices": choices, "usage": {**usage, "prompt_tokens_details": None}}
+        return {**self.final_base, "choices": choices, "usage": usage}
 
 
 def formatter_for(job: Job) -> ChatFormatter:
@@ -170,14 +188,14 @@ def cancelled_while_queued(job: Job, opened: bool = False) -> tuple[list[dict[st
     ends with `abort` and no text, as vLLM answers a request aborted while waiting, so a client learns why there is
     no answer (a non-streamed one reading `choices[0]` finds it). `opened`: an earlier attempt's stream opened the
     choices already (the job waits for another worker to continue it)."""
-    req, formatter = job.request, formatter_for(job)
+    formatter = formatter_for(job)
     stream = []
-    for i in range(req.n):
+    for i in range(job.num_choices):
         first = None if opened else formatter.start(i)
         stream += [first] if first is not None else []
         stream.append(formatter.chunk(i, {}, None, "abort", None))
-    choices = [formatter.final_choice(i, "", None, [], None, "abort", None) for i in range(req.n)]
-    return stream, formatter.final(choices, usage(len(job.prompt_ids), 0))
+    choices = [formatter.final_choice(i, "", None, [], None, "abort", None) for i in range(job.num_choices)]
+    return stream, formatter.final(choices, usage(job.prompt_tokens, 0))
 
 
 class TextFormatter(ChatFormatter):
@@ -213,13 +231,17 @@ class TextFormatter(ChatFormatter):
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         return text_logprobs(tokens)
 
+    def running_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's legacy chunks count the tokens only."""
+        return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
     @staticmethod
     def read_logprobs(logprobs: dict[str, Any] | None) -> list[TokenInfo]:
         """The entries a chunk's logprobs hold, as `logprobs` took them (the top ones hold the sampled token)."""
         if not logprobs:
             return []
         columns = zip(*(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), strict=True)
-        return [TokenInfo(t, lp, [(s, v, None) for s, v in top.items()], o) for t, lp, top, o in columns]
+        return [TokenInfo(t, lp, [(s, v, None) for s, v in (top or {}).items()], o) for t, lp, top, o in columns]
 
     def final_choice(
         self,

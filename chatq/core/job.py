@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,15 @@ class JobStatus(StrEnum):
         return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
 
 
+def cache_partition(owner: str, cache_salt: str | None, shared: bool) -> str:
+    """A job's partition of the prefix cache: its API key's (`owner`, the key's hash) unless the cache is `shared`
+    across keys, and within it its cache_salt's; "" where neither applies."""
+    scope = ("" if shared else owner, cache_salt or "")
+    if not any(scope):
+        return ""
+    return hashlib.sha256("\0".join(scope).encode()).hexdigest()
+
+
 class Job(BaseModel):
     """One chat completion job, stored as the Redis hash keys.job(id); every field is a string there."""
 
@@ -37,7 +47,9 @@ class Job(BaseModel):
     request: ChatCompletionRequest | CompletionRequest
     attempts: int = 0
     worker: str | None = None
-    prompt_ids: list[int] = Field(default_factory=list)
+    prompt_ids: list[int] = Field(default_factory=list)  # the prompt as it runs; of a batch, the first
+    # A legacy request's batch of prompts, each as it runs, in order (empty for one prompt): each has its `n` choices.
+    batch: list[list[int]] = Field(default_factory=list)
     completion_tokens: int = 0
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
@@ -47,8 +59,25 @@ class Job(BaseModel):
     # A response's own fields (chatq.core.response_object): its echoed request, its input items and the earlier items
     # its conversation starts with.
     response: dict[str, Any] | None = None
+    # The job's partition of the workers' prefix cache, a hex digest ("" for the one every job of an open API without
+    # a cache_salt shares): set where the job is submitted, from its API key and cache_salt.
+    cache_partition: str = ""
     # When the job ended (unix seconds), as its worker wrote it; read only.
     finished: float | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Every prompt, in order: choice i answers prompt i // n."""
+        return self.batch or [self.prompt_ids]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's prompt_tokens: each prompt counted once, whatever its number of choices."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.request.n
 
     def to_redis(self) -> dict[str, str]:
         out = {
@@ -65,6 +94,8 @@ class Job(BaseModel):
             out["worker"] = self.worker
         if self.prompt_ids:
             out["prompt_ids"] = json.dumps(self.prompt_ids)
+        if self.batch:
+            out["batch"] = json.dumps(self.batch)
         if self.result is not None:
             out["result"] = json.dumps(self.result)
         if self.error is not None:
@@ -75,6 +106,8 @@ class Job(BaseModel):
             out["tracestate"] = self.tracestate
         if self.response is not None:
             out["response"] = json.dumps(self.response)
+        if self.cache_partition:
+            out["cache_partition"] = self.cache_partition
         return out
 
     @classmethod
@@ -93,12 +126,14 @@ class Job(BaseModel):
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker"),
             prompt_ids=json.loads(h.get("prompt_ids", "[]")),
+            batch=json.loads(h.get("batch", "[]")),
             completion_tokens=int(h.get("completion_tokens", 0)),
             result=json.loads(h["result"]) if "result" in h else None,
             error=json.loads(h["error"]) if "error" in h else None,
             traceparent=h.get("traceparent", ""),
             tracestate=h.get("tracestate", ""),
             response=json.loads(h["response"]) if "response" in h else None,
+            cache_partition=h.get("cache_partition", ""),
             finished=float(h["finished"]) if "finished" in h else None,
         )
 

@@ -11,8 +11,17 @@ from typing import Any
 from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
-# The sampling settings the model's authors recommend (those vLLM reads), for what a request leaves out.
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The generation_config fields vLLM reads as the model authors' sampling defaults, for what a request leaves out.
+SAMPLING_DEFAULTS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -23,12 +32,22 @@ class ModelInfo:
     chat_templates: dict[str, str]  # name -> jinja source; always "default", maybe "tool_use"
     special_tokens: dict[str, str | None]  # the variables of that name the chat template sees
     eos_token_ids: tuple[int, ...]
-    sampling_defaults: dict[str, float]
+    sampling_defaults: dict[str, float]  # `max_new_tokens` read as `max_tokens`, as vLLM reads it
     tokenizer: Tokenizer = field(repr=False, compare=False)
 
     @classmethod
-    def read(cls, name: str, path: Path, max_model_len: int = 0) -> ModelInfo:
-        """`max_model_len` (CHATQ_MAX_MODEL_LEN) overrides the config's; 0 takes the config's."""
+    def read(
+        cls,
+        name: str,
+        path: Path,
+        max_model_len: int = 0,
+        chat_template: str = "",
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+    ) -> ModelInfo:
+        """`max_model_len` (CHATQ_MAX_MODEL_LEN) overrides the config's; 0 takes the config's. `chat_template`
+        (CHATQ_CHAT_TEMPLATE), a file's path or a template, replaces the model's own; empty keeps them. The last two
+        are CHATQ_GENERATION_CONFIG and CHATQ_OVERRIDE_GENERATION_CONFIG (see `sampling_defaults`)."""
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _json(path / "config.json")
         tokenizer_config = _json(path / "tokenizer_config.json")
@@ -38,16 +57,38 @@ class ModelInfo:
             name=name,
             max_model_len=max_model_len or _context_length(config, path),
             vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
-            chat_templates=_chat_templates(path, tokenizer_config),
+            chat_templates={"default": _template_source(chat_template)}
+            if chat_template
+            else _chat_templates(path, tokenizer_config),
             special_tokens=special,
             eos_token_ids=_eos_ids(generation, tokenizer, special["eos_token"]),
-            sampling_defaults=sampling_defaults(generation),
+            sampling_defaults=sampling_defaults(
+                _defaults_source(generation_config, path, generation), override_generation_config or {}
+            ),
             tokenizer=tokenizer,
         )
 
 
-def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
-    return {k: generation_config[k] for k in SAMPLING_DEFAULTS if generation_config.get(k) is not None}
+def sampling_defaults(generation_config: dict[str, Any], override: dict[str, Any]) -> dict[str, float]:
+    """The sampling fields a generation config sets, `override` over them, as vLLM's get_diff_sampling_param reads
+    them: `max_new_tokens` becomes `max_tokens`."""
+    merged = generation_config | override
+    found = {k: merged[k] for k in SAMPLING_DEFAULTS if merged.get(k) is not None}
+    if "max_new_tokens" in found:
+        found["max_tokens"] = found.pop("max_new_tokens")
+    return found
+
+
+def _defaults_source(setting: str, path: Path, generation: dict[str, Any]) -> dict[str, Any]:
+    """The generation config the defaults come from: the model's ("auto"), none ("vllm"), or a folder's."""
+    if setting == "auto":
+        return generation
+    if setting == "vllm":
+        return {}
+    folder = Path(setting).expanduser()
+    if not (folder / "generation_config.json").exists():
+        raise RuntimeError(f"CHATQ_GENERATION_CONFIG: {folder} holds no generation_config.json")
+    return _json(folder / "generation_config.json")
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -76,6 +117,17 @@ def _chat_templates(path: Path, tokenizer_config: dict[str, Any]) -> dict[str, s
     if "default" not in named:
         raise RuntimeError(f"{path} names chat templates but none `default`: {sorted(named)}")
     return named
+
+
+def _template_source(setting: str) -> str:
+    """A chat template setting's template: the file it names, else the setting itself if it reads as a template, as
+    vLLM reads --chat-template."""
+    try:
+        return Path(setting).read_text()
+    except (OSError, ValueError):
+        if not any(c in setting for c in "{}\n"):
+            raise RuntimeError(f"CHATQ_CHAT_TEMPLATE names no readable file, nor is it a template: {setting}") from None
+        return setting
 
 
 def _eos_ids(generation: dict[str, Any], tokenizer: Tokenizer, eos_token: str | None) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ class ModelRecord(BaseModel):
     chat_templates: dict[str, str]
     special_tokens: dict[str, str | None]
     eos_token_ids: list[int]
-    sampling_defaults: dict[str, float]
+    sampling_defaults: dict[str, int | float]  # int: top_k, max_tokens
 
     @classmethod
     def of(cls, info: ModelInfo) -> ModelRecord:

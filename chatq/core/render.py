@@ -8,6 +8,7 @@ transformers' `apply_chat_template`.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -15,10 +16,11 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
-from chatq.core.requests import ChatCompletionRequest, Message
+from chatq.core.requests import MAX_BAD_WORDS, ChatCompletionRequest, Message
 
 
 @dataclass(frozen=True)
@@ -41,32 +43,78 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-class Renderer:
-    """Renders requests with one model's tokenizer and chat templates."""
+# A request's own chat templates kept compiled, as clients send the same one again and again.
+REQUEST_TEMPLATES_KEPT = 64
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but CHATQ_TRUST_REQUEST_CHAT_TEMPLATE is not set. Refused request with "
+    "untrusted chat template."
+)
 
-    def __init__(self, model: ModelInfo):
+
+@dataclass(frozen=True)
+class Template:
+    compiled: jinja2.Template
+    content_parts: bool  # whether it loops over a message's content, and so takes it as a list of parts
+
+
+class Renderer:
+    """Renders requests with one model's tokenizer and chat templates, or a request's own where trusted, every one in
+    a sandbox: a template is code, and the model's files or a client may hold anything."""
+
+    def __init__(self, model: ModelInfo, *, trust_request_templates: bool = False):
         self.tokenizer = model.tokenizer
         self.special = model.special_tokens
+        self.trust_request_templates = trust_request_templates
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.env = env
         # transformers and vLLM use a model's `tool_use` template for a request with tools, `default` otherwise.
-        named = model.chat_templates
-        self.templates = {name: env.from_string(source) for name, source in named.items()}
-        self.content_parts = {name: _loops_over_content(env.parse(source)) for name, source in named.items()}
+        self.templates = {name: self._compile(source) for name, source in model.chat_templates.items()}
+        self._requested: dict[str, Template] = {}
+        self._lock = threading.Lock()
 
     def render(self, request: ChatCompletionRequest) -> Prompt:
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        name = "tool_use" if tools and "tool_use" in self.templates else "default"
-        messages = [self._message(m, i, self.content_parts[name]) for i, m in enumerate(request.messages)]
+        template = self._template(request, tools)
+        messages = [self._message(m, i, template.content_parts) for i, m in enumerate(request.messages)]
         try:
-            text = self.templates[name].render(messages=messages, **self._context(request, tools))
+            text = template.compiled.render(messages=messages, **self._context(request, tools))
         except jinja2.exceptions.TemplateError as e:
             raise BadRequest(f"The chat template could not render these messages: {e}", "messages") from e
         if request.continue_final_message:
-            text = _cut_after_final(text, request.messages[-1], self.content_parts[name])
+            text = _cut_after_final(text, request.messages[-1], template.content_parts)
         return Prompt(text=text, ids=self._ids(text, request.add_special_tokens))
+
+    def _template(self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Template:
+        """The request's own template if it brings one (as `chat_template`, or in `chat_template_kwargs` as vLLM
+        also reads it), else the model's."""
+        source = request.chat_template
+        param = "chat_template"
+        if source is None and (request.chat_template_kwargs or {}).get("chat_template") is not None:
+            source, param = request.chat_template_kwargs["chat_template"], "chat_template_kwargs"  # type: ignore[index]
+        if source is None:
+            return self.templates["tool_use" if tools and "tool_use" in self.templates else "default"]
+        if not self.trust_request_templates:
+            raise BadRequest(UNTRUSTED_TEMPLATE, param)
+        if not isinstance(source, str):
+            raise BadRequest("A chat template must be a string.", param)
+        with self._lock:
+            template = self._requested.get(source)
+        if template is None:
+            try:
+                template = self._compile(source)
+            except jinja2.exceptions.TemplateError as e:
+                raise BadRequest(f"The chat template is not a valid template: {e}", param) from e
+            with self._lock:
+                if len(self._requested) >= REQUEST_TEMPLATES_KEPT:
+                    self._requested.pop(next(iter(self._requested)))
+                self._requested[source] = template
+        return template
+
+    def _compile(self, source: str) -> Template:
+        return Template(self.env.from_string(source), _loops_over_content(self.env.parse(source)))
 
     @staticmethod
     def _message(m: Message, i: int, as_parts: bool) -> dict[str, Any]:
@@ -99,7 +147,7 @@ class Renderer:
             context["enable_thinking"] = request.thinking
         if request.documents is not None:
             context["documents"] = request.documents
-        kwargs = request.chat_template_kwargs or {}
+        kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k != "chat_template"}
         if "messages" in kwargs:
             raise BadRequest("chat_template_kwargs cannot replace the messages.", "chat_template_kwargs")
         # What the request gives the template wins over what chatq would, as in vLLM.
@@ -116,6 +164,25 @@ class Renderer:
         # encode_batch, not encode: only the batch call lets go of the GIL while it runs, so a long prompt tokenized
         # in a thread leaves the API's event loop running.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences `bad_words` forbid, as vLLM makes them: each word as it begins a text and, where that
+    differs by its first token only, as it follows a space; a word's last token is then blocked after the rest."""
+    found: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+        if not bare:
+            raise BadRequest("bad_words entries must tokenize to at least one token.", "bad_words")
+        found.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            found.append(spaced)
+    if len(found) > MAX_BAD_WORDS:
+        raise BadRequest(
+            f"Too many bad words after tokenization: {len(found)}. The max number is {MAX_BAD_WORDS}.", "bad_words"
+        )
+    return found
 
 
 def _cut_after_final(text: str, last: Message, as_parts: bool) -> str:

@@ -10,7 +10,7 @@ from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
-from chatq.core.sampling import GREEDY_BELOW
+from chatq.core.sampling import GREEDY_BELOW, OPENAI_DEFAULTS, effective
 from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
@@ -31,7 +31,8 @@ _TEXT_PARTS = {
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role: one besides the five reaches the chat template as given, as vLLM passes it.
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -80,8 +81,6 @@ class StreamOptions(BaseModel):
 # Fields chatq does not honour, with the value that asks for nothing (as null and empty do, and false where it is
 # null): any other is a 400, never ignored.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "return_tokens_as_token_ids": None,
-    "return_token_ids": None,
     "audio": None,
     "modalities": ["text"],
     "prediction": None,
@@ -89,12 +88,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": None,
     "function_call": None,
     "suffix": None,
-    "prompt_logprobs": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
-    "logprob_token_ids": None,
-    "thinking_token_budget": None,
-    "chat_template": None,
     "spaces_between_special_tokens": True,
     "truncation_side": "left",  # truncate_prompt_tokens keeps the prompt's end
     "stream_interval": 1,
@@ -107,17 +100,27 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
-    "repetition_detection": None,
     "watermarking": None,
     "routed_experts_prompt_start": 0,
     "return_prompt_text": None,
     "prompt_embeds": None,
 }
+# Names some clients send for vLLM's repetition detection, which takes them inside `repetition_detection`: refused by
+# name rather than ignored, so a client learns where they go.
+MISPLACED_FIELDS = {
+    "max_repetition_pattern_size": "repetition_detection.max_pattern_size",
+    "min_repetition_pattern_size": "repetition_detection.min_pattern_size",
+    "repetition_min_count": "repetition_detection.min_count",
+}
 MAX_TOP_LOGPROBS = 20
+# vLLM's limit on a legacy request's list of prompts (VLLM_MAX_COMPLETION_PROMPTS).
+MAX_PROMPTS = 1024
+# vLLM's limits: the ids one request may ask logprobs of, and the token sequences its bad words may make.
+MAX_LOGPROB_TOKEN_IDS = 128
+MAX_BAD_WORDS = 128
 # OpenAI's limit. vLLM sets none, but one request's choices all wait in one worker's queue, ahead of later jobs.
 MAX_N = 128
 # Bounds on a request's lists, so a body within CHATQ_MAX_BODY_BYTES still renders in bounded time: far above what a
@@ -136,9 +139,27 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
+class StructuralTagItem(BaseModel):
+    """One of a structural tag's older `structures`: text from `begin` to `end`, a JSON value of `schema` between."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag: xgrammar's `format`, as vLLM takes it, or the older `structures` and `triggers`.
+    format: dict[str, Any] | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The structural tag as xgrammar takes it (vLLM's payload): the format, or the structures and triggers."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude={"json_schema"})
 
 
 class StructuredOutputs(BaseModel):
@@ -148,6 +169,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # a JSON text, as vLLM takes it: what response_format structural_tag holds
 
     # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
     # that asks for something (not null or false) is refused in check(), rather than dropped.
@@ -161,9 +183,34 @@ class StructuredOutputs(BaseModel):
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if v is not None
         ]
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's repetition detection: the output ends, finish_reason "repetition", once its last tokens are a pattern of
+    min_pattern_size..max_pattern_size tokens repeated min_count times."""
+
+    max_pattern_size: int = 0  # 0: off
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RepetitionDetection:
+        # vLLM's rules and words; a ValueError here is a 400 naming the field.
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+                "Set both to 0 to disable repetitive pattern detection."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish to "
+                "detect repetitive patterns, set max_pattern_size to 0."
+            )
+        return self
 
 
 class Range:
@@ -207,6 +254,24 @@ def token_limit(param: str) -> Range:
     return Range(f"{param} must be at least 1", minimum=1)
 
 
+# vLLM's limits on a cache_salt.
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """A cache_salt is a non-empty string of at most 128 characters, none of @ / \\ or NUL, as vLLM takes one."""
+    if salt is None:
+        return
+    if not salt:
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise BadRequest(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by chat and legacy text completions: how to sample and how to stream."""
 
@@ -230,9 +295,11 @@ class GenerationRequest(BaseModel):
     )
     include_stop_str_in_output: bool = False
     n: int = bounded(1, Range(f"n must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
-    presence_penalty: float = bounded(0.0, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    frequency_penalty: float = bounded(0.0, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2))
-    # None: the model's generation_config, else 1
+    # The sampling fields left None take the served model's defaults (chatq.core.sampling.effective).
+    presence_penalty: float | None = bounded(None, Range("presence_penalty must be in [-2, 2]", minimum=-2, maximum=2))
+    frequency_penalty: float | None = bounded(
+        None, Range("frequency_penalty must be in [-2, 2]", minimum=-2, maximum=2)
+    )
     repetition_penalty: float | None = bounded(
         None, Range("repetition_penalty must be greater than zero", exclusiveMinimum=0)
     )
@@ -240,11 +307,16 @@ class GenerationRequest(BaseModel):
     min_tokens: int = bounded(0, Range("min_tokens must be at least 0", minimum=0))
     ignore_eos: bool = False
     echo: bool = False
+    # Each prompt token's logprob (but the first's) and the k likeliest at its place; -1 would be the whole vocabulary.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     user: str | None = None
     request_id: str | None = None
     priority: int = 0
+    # Partitions the prefix cache further within the API key's partition: only requests with the same salt share
+    # cached prompt blocks.
+    cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # Beam search, `n` beams wide; and best_of, the best n of so many sampled, by cumulative logprob.
@@ -252,6 +324,26 @@ class GenerationRequest(BaseModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     best_of: int | None = bounded(None, Range(f"best_of must be in [1, {MAX_N}]", minimum=1, maximum=MAX_N))
+    # Token filters, as vLLM applies them after the logprobs are taken: only these ids may be sampled; these words
+    # may not be completed (see chatq.core.render.bad_words_ids).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    repetition_detection: RepetitionDetection | None = None
+    # Logprobs of exactly these ids (and the sampled one) at each position, in place of the most likely ones.
+    logprob_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids, beside the text
+    return_tokens_as_token_ids: bool | None = None  # logprob entries name tokens as "token_id:N"
+
+    # Tokens a thought may take before its end is forced, with a reasoning parser (vLLM's); None or -1: no limit.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> Any:
+        # vLLM's rule: an integer (not a bool or a float), -1 for no limit.
+        if v is not None and (isinstance(v, (bool, float)) or not isinstance(v, int) or v < -1):
+            raise ValueError("`thinking_token_budget` must be a non-negative integer or -1 for unlimited.")
+        return None if v == -1 else v
 
     @model_validator(mode="before")
     @classmethod
@@ -291,9 +383,19 @@ class GenerationRequest(BaseModel):
         value: int | None = getattr(self, self.max_tokens_param)
         return value
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature is not None and self.temperature < GREEDY_BELOW
+    def sampling(self, defaults: dict[str, float]) -> dict[str, float]:
+        """The sampling fields as the job runs them, under the served model's `defaults`."""
+        return effective({name: getattr(self, name) for name in OPENAI_DEFAULTS}, defaults)
+
+    def check_greedy(self, defaults: dict[str, float]) -> None:
+        """n > 1 and best_of > 1 need sampling (beam search needs none), whether the request's temperature or the
+        model's default makes it greedy."""
+        if self.use_beam_search or self.sampling(defaults)["temperature"] >= GREEDY_BELOW:
+            return
+        if self.n > 1:
+            raise BadRequest("n must be 1 when using greedy sampling", "n")
+        if (self.best_of or 1) > 1:
+            raise BadRequest("best_of must be 1 when using greedy sampling", "best_of")
 
     def check(self) -> None:
         """Checks beyond single-field types; raises BadRequest naming the offending param."""
@@ -303,6 +405,10 @@ class GenerationRequest(BaseModel):
             asks_nothing = value in (None, [], {}) or value == harmless or harmless is None and value is False
             if not asks_nothing:
                 raise BadRequest(f"`{name}` is not supported by this server", name)
+        for name, place in MISPLACED_FIELDS.items():
+            if extra.get(name) is not None:
+                message = f"`{name}` is not a field of this server: vLLM's repetition detection is `{place}`."
+                raise BadRequest(message, name)
 
         def need(ok: bool, message: str, param: str) -> None:
             if not ok:
@@ -310,11 +416,12 @@ class GenerationRequest(BaseModel):
 
         for name, allowed in self._ranges():
             allowed.check(getattr(self, name), name)
-        need(self.n == 1 or not self.greedy or self.use_beam_search, "n must be 1 when using greedy sampling", "n")
+        self.check_greedy({})
         self._check_best_of()
         self._check_beam_search()
-        # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
-        token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
+        if not self.scores_only:
+            # Only the field that counts, whose range holds whether the schema states it (chat) or not (legacy).
+            token_limit(self.max_tokens_param).check(self.max_new_tokens, self.max_tokens_param)
         need(
             self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
             "min_tokens must be less than or equal to max_tokens",
@@ -333,7 +440,58 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens must be -1 or at least 1",
             "truncate_prompt_tokens",
         )
+        self._check_prompt_logprobs()
+        check_cache_salt(self.cache_salt)
         self._check_structured()
+        self._check_token_filters()
+
+    def _check_token_filters(self) -> None:
+        """vLLM's checks of the token filters and logprob ids that need no vocabulary (check_vocab has those)."""
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BadRequest("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        if any(not word for word in self.bad_words):
+            raise BadRequest("bad_words cannot contain an empty string.", "bad_words")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise BadRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words.", "bad_words")
+        if self.logprob_token_ids and self.num_logprobs is None:
+            raise BadRequest(f"when using `logprob_token_ids`, {self.logprobs_needed}.", "logprob_token_ids")
+        if len(self.logprob_token_ids or []) > MAX_LOGPROB_TOKEN_IDS:
+            raise BadRequest(
+                f"Requested logprob_token_ids of length {len(self.logprob_token_ids or [])}, which is greater than "
+                f"max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                "logprob_token_ids",
+            )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return None
+
+    @property
+    def logprobs_needed(self) -> str:
+        """What logprob_token_ids needs of the request, in vLLM's words."""
+        return "`logprobs` must be set"
+
+    @property
+    def scores_only(self) -> bool:
+        """Whether the request only scores its prompt, generating nothing it shows."""
+        return False
+
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's rules and words."""
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if self.stream and (k > 0 or k == -1):
+            raise BadRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if k < -1:
+            raise BadRequest("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        if k == -1 or k > MAX_TOP_LOGPROBS:
+            asked = "the whole vocabulary" if k == -1 else k
+            raise BadRequest(
+                f"Requested prompt logprobs of {asked}, which is greater than max allowed: {MAX_TOP_LOGPROBS}",
+                "prompt_logprobs",
+            )
 
     @property
     def candidates(self) -> int:
@@ -347,8 +505,6 @@ class GenerationRequest(BaseModel):
             raise BadRequest(
                 f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.", "best_of"
             )
-        if self.best_of > 1 and self.greedy:
-            raise BadRequest("best_of must be 1 when using greedy sampling", "best_of")
 
     def _check_beam_search(self) -> None:
         """Beam search picks tokens by their log-probabilities alone: a field that would shape them otherwise is
@@ -363,14 +519,19 @@ class GenerationRequest(BaseModel):
             "top_p": self.top_p not in (None, 1.0),
             "top_k": self.top_k not in (None, 0, -1),
             "min_p": self.min_p not in (None, 0.0),
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "logit_bias": bool(self.logit_bias),
             "min_tokens": self.min_tokens != 0,
             "response_format": fmt is not None and fmt.type != "text",
             "structured_outputs": self.structured_outputs is not None,
-            "logprobs": getattr(self, "num_logprobs", None) is not None,
+            "logprobs": self.num_logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "repetition_detection": self.repetition_detection is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None,
         }
         for name, asked in asks.items():
             if asked:
@@ -391,6 +552,8 @@ class GenerationRequest(BaseModel):
                     "`response_format` of type json_schema needs a `json_schema` with a `schema`.", "response_format"
                 )
             check_schema(fmt.json_schema.schema_, "response_format")
+        if fmt is not None and fmt.type == "structural_tag":
+            check_structural_tag(fmt.structural_tag(), "response_format")
         so = self.structured_outputs
         if so is not None:
             for name, value in (so.model_extra or {}).items():
@@ -401,7 +564,8 @@ class GenerationRequest(BaseModel):
             kinds = so.kinds()
             if len(kinds) != 1:
                 raise BadRequest(
-                    "`structured_outputs` takes exactly one of json, regex, choice or grammar.", "structured_outputs"
+                    "`structured_outputs` takes exactly one of json, regex, choice, grammar or structural_tag.",
+                    "structured_outputs",
                 )
             if fmt is not None and fmt.type != "text":
                 raise BadRequest(
@@ -417,17 +581,27 @@ class GenerationRequest(BaseModel):
                 )
             if so.grammar is not None and not so.grammar.strip():
                 raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
+            if so.structural_tag is not None:
+                check_structural_tag(_json_text(so.structural_tag, "structural_tag"), "structured_outputs")
             if isinstance(so.json_, str):
-                try:
-                    # Strict, as request bodies are read: no NaN or Infinity (1e400), which xgrammar cannot take.
-                    schema = orjson.loads(so.json_)
-                except ValueError as e:
-                    raise BadRequest(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs") from e
-                check_schema(schema, "structured_outputs")
+                check_schema(_json_text(so.json_, "json"), "structured_outputs")
             elif so.json_ is not None:
                 check_schema(so.json_, "structured_outputs")
 
-    def check_bias(self, vocab_size: int) -> None:
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the request names must be one of the model's: logit_bias keys (the error lists each one
+        that is not), allowed_token_ids and logprob_token_ids (worded as vLLM words them)."""
+        self._check_bias(vocab_size)
+        if any(not 0 <= t < vocab_size for t in self.allowed_token_ids or []):
+            raise BadRequest("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+        bad = [t for t in self.logprob_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(
+                f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                "logprob_token_ids",
+            )
+
+    def _check_bias(self, vocab_size: int) -> None:
         """Every logit_bias key must be a token id of the model; the error lists each one that is not."""
 
         def ok(key: str) -> bool:
@@ -446,6 +620,51 @@ class GenerationRequest(BaseModel):
     def bias(self) -> dict[int, float]:
         """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
         return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
+
+
+def _json_text(text: str, name: str) -> Any:
+    """A structured_outputs field given as JSON text, read strictly, as request bodies are: no NaN or Infinity
+    (1e400), which xgrammar cannot take."""
+    try:
+        return orjson.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"structured_outputs.{name} is not valid JSON: {e}", "structured_outputs") from e
+
+
+def check_structural_tag(tag: Any, param: str) -> None:
+    """What the API can check of a structural tag without xgrammar: its shape, and every JSON schema in it. What
+    only xgrammar reads (a format's kinds) fails the job with a 400 when its grammar is compiled."""
+    invalid = f"Invalid {param} structural_tag specification"
+    if not isinstance(tag, dict):
+        raise BadRequest(f"{invalid}: it must be a JSON object.", param)
+    if "structures" in tag:  # the older form
+        try:
+            ResponseFormat.model_validate({"type": "structural_tag", **tag})
+        except ValueError as e:
+            raise BadRequest(f"{invalid}: {e}", param) from e
+        if not isinstance(tag.get("triggers"), list) or not tag["triggers"]:
+            raise BadRequest(f"{invalid}: `structures` need `triggers`.", param)
+        for item in tag["structures"]:
+            if not any(item["begin"].startswith(t) for t in tag["triggers"]):
+                raise BadRequest(f"{invalid}: the begin {item['begin']!r} starts with no trigger.", param)
+            check_schema(item.get("schema") or {}, param)
+        return
+    if not isinstance(tag.get("format"), dict):
+        raise BadRequest(f"{invalid}: it needs a `format` object (or the older `structures` and `triggers`).", param)
+    for schema in _schemas_in(tag["format"]):
+        check_schema(schema, param)
+
+
+def _schemas_in(node: Any) -> Iterator[dict[str, Any]]:
+    """The JSON schemas of a structural tag's format: those of its `json_schema` parts, however deep."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _schemas_in(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            yield node["json_schema"]
+        for value in node.values():
+            yield from _schemas_in(value)
 
 
 class Function(BaseModel):
@@ -489,6 +708,8 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's set; the value itself only reaches the chat template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
+    # The request's own chat template, taken only where CHATQ_TRUST_REQUEST_CHAT_TEMPLATE allows it.
+    chat_template: str | None = None
 
     @property
     def max_tokens_param(self) -> str:
@@ -505,8 +726,19 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def num_logprobs(self) -> int | None:
-        """How many alternatives per token to report, or None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives per prompt token to report, or None for no prompt logprobs: vLLM makes them for an
+        echo too, `top_logprobs` of them."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    @property
+    def logprobs_needed(self) -> str:
+        return "`logprobs` must be set to true"
 
     def check(self) -> None:
         super().check()
@@ -578,7 +810,8 @@ def chat_range(name: str) -> Range:
 class CompletionRequest(GenerationRequest):
     """The legacy /v1/completions body: a prompt instead of messages."""
 
-    prompt: str | list[int]
+    # One prompt (text or token ids), or a batch of them: each gets its `n` choices, indexed in order.
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
@@ -586,31 +819,48 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        # vLLM also takes a batch (strings or id lists); here one request is one job. A batch of one is that prompt
-        # (LangChain's OpenAI LLM always sends a list).
-        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
-            if len(v) == 1:
-                return v[0]
-            raise ValueError("A batch of prompts is not supported: send one prompt (text or token ids) per request.")
+        # A batch of one is that prompt (LangChain's OpenAI LLM always sends a list).
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            return v[0]
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one, or each of a batch."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM makes them for an echo with logprobs too, `logprobs` of them: the echoed prompt's entries."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def scores_only(self) -> bool:
+        # vLLM's way to score a prompt: its echo, and no generated token shown.
+        return self.echo and self.max_tokens == 0
+
     def check(self) -> None:
         super().check()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
-        if self.echo and self.logprobs is not None:
-            # A scoring client (lm-evaluation-harness) reads the echoed prompt's logprobs, which are not computed:
-            # the generated tokens' alone would score it wrongly and without an error.
+        prompts = self.prompts
+        if len(prompts) > MAX_PROMPTS:
             raise BadRequest(
-                "`echo` with `logprobs` is not supported until prompt logprobs are: only the generated tokens' "
-                "logprobs would be returned, not the prompt's.",
-                "echo",
+                f"prompt list length {len(prompts)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt"
             )
-        if isinstance(self.prompt, str) and not self.prompt or isinstance(self.prompt, list) and not self.prompt:
+        if len(prompts) * self.n > MAX_PROMPTS:
+            # A job's choices all wait in one worker's queue, ahead of later jobs (as MAX_N bounds them).
+            raise BadRequest(f"A batch may ask for at most {MAX_PROMPTS} choices in all (prompts times n).", "n")
+        if any(not p for p in prompts):
             raise BadRequest("The prompt must not be empty.", "prompt")
 
 
@@ -625,6 +875,7 @@ class TokenizeRequest(BaseModel):
     # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
     tools: list[Tool] | None = None
     documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 

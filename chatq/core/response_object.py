@@ -90,9 +90,10 @@ def _usage(job: Job) -> dict[str, Any]:
     prompt = chat.get("prompt_tokens", len(job.prompt_ids))
     completion = chat.get("completion_tokens", job.completion_tokens)
     reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,

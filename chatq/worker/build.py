@@ -73,7 +73,14 @@ def vllm_args(settings: Settings, path: Path, model: ModelInfo) -> dict[str, Any
 def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner:
     """The runner of the worker named `worker` (the name its claims record, where cancels find it)."""
     path = ensure_model_dir(settings)
-    model = ModelInfo.read(settings.model_name, path, settings.max_model_len)
+    model = ModelInfo.read(
+        settings.model_name,
+        path,
+        settings.max_model_len,
+        settings.chat_template,
+        settings.generation_config,
+        settings.override_generation_config,
+    )
 
     def make_engine() -> StepEngine:
         if settings.engine == "vllm":

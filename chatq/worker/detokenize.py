@@ -116,6 +116,13 @@ class Decoder:
             return [int(fallback[1], 16)]
         return None
 
-    def info(self, token_id: int, logprob, top, offset: int) -> TokenInfo:
+    def info(self, token_id: int, logprob, top, offset: int, as_ids: bool = False) -> TokenInfo:
+        """A token's logprob entry. `as_ids` (return_tokens_as_token_ids) names every token "token_id:N", as vLLM
+        does, whose bytes stay those of the sampled token's text."""
+        tops: list[tuple[str, float, list[int] | None]]
+        if as_ids:
+            tops = [(f"token_id:{t}", lp, None) for t, lp in top]
+            own = self.raw(token_id) or list(self.token(token_id).encode())
+            return TokenInfo(f"token_id:{token_id}", logprob, tops, offset, own)
         tops = [(self.token(t), lp, self.raw(t)) for t, lp in top]
         return TokenInfo(self.token(token_id), logprob, tops, offset, self.raw(token_id))

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class Finish(StrEnum):
     stop = "stop"  # EOS or a stop token id
     length = "length"  # max_tokens or the model's context
+    repetition = "repetition"  # the output repeats a pattern (repetition_detection)
     cancelled = "cancelled"
     error = "error"
 
@@ -56,6 +57,11 @@ class Sequence:
     arrival: int = -1  # its place in the engine's first-come order, set by the engine when it takes it in
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V is in the cache
+    # Prompt tokens the prefix cache served when it was first admitted (usage's cached_tokens); None until then.
+    cached_prompt_tokens: int | None = None
+    # Where its prompt's blocks are looked up and registered in the prefix cache: sequences share cached blocks only
+    # within one partition (an API key's, a cache_salt's).
+    cache_salt: bytes = b""
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -67,11 +73,27 @@ class Sequence:
     beams: BeamGroup | None = None  # the beam search it is a beam of, which picks its tokens instead of the sampler
     # What the CPU context rows know its K/V by, if not its id: a beam's changes as it takes another beam's context.
     context: str | None = None
+    # With params.prompt_logprobs: the entries of prompt tokens 1, 2, ... (the first has none), as prefill makes them.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish | None = None
     error: str | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scoring(self) -> bool:
+        """Whether its prompt's logprobs are still to be made: every prompt position's logits are needed, so no
+        prefix-cache hit may skip one."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def scored_positions(self, first: int, n: int) -> range:
+        """Of the positions first..first+n-1 fed in a step, those whose logits give a prompt token's logprob not
+        made yet (position p gives token p + 1's)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(first, len(self.prompt_logprobs)), min(first + n, len(self.prompt_ids) - 1))
 
     @property
     def past_min_tokens(self) -> bool:
@@ -89,6 +111,9 @@ class Sequence:
             return Finish.stop
         if len(self.output_ids) >= self.params.max_tokens or len(self) >= max_len:
             return Finish.length
+        rep = self.params.repetition
+        if rep is not None and len(self.output_ids) >= self.params.min_tokens and repeats(self.output_ids, *rep):
+            return Finish.repetition
         return None
 
     def constrain(self, grammar: Grammar) -> None:
@@ -288,28 +313,31 @@ class Engine:
         passed = self._forward_or_fail(scheduled, outputs)
         if passed is None:
             return
-        logits, emitting, scheduled = passed
+        logits, emitting, scored, scheduled = passed
         for seq, n in scheduled:
             seq.num_cached += n
             self.blocks.register(seq)
         self.stats.steps += 1
         self.stats.batch_size = len(scheduled)
         self.stats.generation_tokens += len(emitting)
+        if scored:
+            _score(scored, logits[len(emitting) :])
         if emitting:
-            outputs.extend(self._sample_or_search(emitting, logits))
+            outputs.extend(self._sample_or_search(emitting, logits[: len(emitting)]))
 
     def _forward_or_fail(
         self, scheduled: list[tuple[Sequence, int]], outputs: list[Output]
-    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, int]]] | None:
-        """The step's logits, the sequences they sample for, and the sequences the pass fed. A pass that fails
+    ) -> tuple[torch.Tensor, list[Sequence], list[Scored], list[tuple[Sequence, int]]] | None:
+        """The step's logits, the sequences they sample for, the prompt tokens they score (their rows after those),
+        and the sequences the pass fed. A pass that fails
         on a fast path runs again without it, which stays off, down to the plain path if need be; one that fails on
         the plain path fails its prompt chunks, the likely cause (a long chunk's memory), and runs the decodes again
         alone (the rest fail with them into `outputs`). A lost device raises DeviceLost."""
-        batch, emitting = self._build_batch(scheduled)
+        batch, emitting, scored = self._build_batch(scheduled)
         while True:
             path = self._path(batch)
             try:
-                return self._run(batch, path), emitting, scheduled
+                return self._run(batch, path), emitting, scored, scheduled
             except Exception as e:
                 error = self._failure(e, path)
             if path == "plain" or not self.degrade(f"a step failed on it: {error}", path):
@@ -319,9 +347,9 @@ class Engine:
         outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], f"generation failed ({error})"))
         if not prefills or not decodes:
             return None
-        batch, emitting = self._build_batch(decodes)
+        batch, emitting, scored = self._build_batch(decodes)
         try:
-            return self._run(batch, self._path(batch)), emitting, decodes
+            return self._run(batch, self._path(batch)), emitting, scored, decodes
         except Exception as e:
             error = self._failure(e, "without the prompt chunks")
             outputs.extend(self._fail([seq for seq, _ in decodes], f"generation failed ({error})"))
@@ -438,7 +466,7 @@ class Engine:
         # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue.
         while self.waiting and budget > 0:
             seq = self.waiting[0][2]
-            if not seq.blocks:
+            if not seq.blocks and not seq.scoring:
                 self.blocks.reuse_prefix(seq)
             todo = len(seq) - seq.num_cached
             n = min(todo, budget)
@@ -449,6 +477,8 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             self.blocks.hits += seq.num_cached  # counted once it is in, not at every refused try
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = seq.num_cached
             self.stats.prefix_queries += len(seq)
             self.stats.prefix_hits += seq.num_cached
             self.blocks.grow(seq, seq.num_cached + n)
@@ -474,7 +504,9 @@ class Engine:
         bs = self.block_size
         return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
 
-    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence], list[Scored]]:
+        """The step's batch; the sequences that sample, whose logits come first; the prompt tokens scored, whose
+        logits follow in that order."""
         # Per-token Python work covers only the new tokens; anything proportional to context length (slot tables,
         # masks) uses tensor ops, as a step may carry hundreds of long-context sequences.
         bs, dev = self.block_size, self.device
@@ -483,6 +515,8 @@ class Engine:
         slots: list[int] = []
         logits_at: list[int] = []
         emitting: list[Sequence] = []
+        score_at: list[int] = []
+        scored: list[Scored] = []
         decodes: list[Sequence] = []
         prefills: list[tuple[int, int, torch.Tensor]] = []
         for seq, n in scheduled:
@@ -494,6 +528,9 @@ class Engine:
             if first + n == len(seq):
                 logits_at.append(start + n - 1)
                 emitting.append(seq)
+            if positions := seq.scored_positions(first, n):
+                score_at.extend(start + p - first for p in positions)
+                scored.append(Scored(seq, seq.prompt_ids[positions.start + 1 : positions.stop + 1]))
             if n == 1 and first + 1 == len(seq) and not prefills:
                 decodes.append(seq)
                 continue
@@ -511,10 +548,10 @@ class Engine:
             dec_table=dec_table,
             dec_lens=dec_lens,
             prefills=prefills,
-            logits_at=None if len(logits_at) == len(ids) else to_device(dev, logits_at),
+            logits_at=None if not score_at and len(logits_at) == len(ids) else to_device(dev, logits_at + score_at),
             dec_ids=[s.context or s.id for s in decodes],
         )
-        return batch, emitting
+        return batch, emitting, scored
 
     # --- sampling and finishing ------------------------------------------------------------------------
 
@@ -630,6 +667,49 @@ class Engine:
         seq.finish = finish
         seq.error = error
         return Output(seq, None, finish)
+
+
+@dataclass
+class Scored:
+    """Prompt tokens of one sequence whose logprobs a step makes, in order."""
+
+    seq: Sequence
+    targets: list[int]
+
+
+def _score(scored: list[Scored], logits: torch.Tensor) -> None:
+    """Appends each prompt token's logprob, rank and its place's most likely tokens to its sequence's entries:
+    `logits` [sum of targets, V], from the positions before the targets. The model's raw distribution, with -inf read
+    as -9999, as vLLM reports prompt logprobs."""
+    dev = logits.device
+    with torch.inference_mode():
+        lp = logits.log_softmax(dim=-1).clamp_(min=-9999.0)
+        targets = to_device(dev, [t for s in scored for t in s.targets])
+        chosen = lp.gather(1, targets[:, None])
+        # vLLM's rank: how many tokens are at least as likely.
+        ranks = (lp >= chosen).sum(dim=-1).tolist()
+        k = max(s.seq.params.prompt_logprobs or 0 for s in scored)
+        vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen_list, top_vals, top_ids = chosen[:, 0].tolist(), vals.tolist(), ids.tolist()
+    row = 0
+    for s in scored:
+        n = s.seq.params.prompt_logprobs or 0
+        for _ in s.targets:
+            top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
+            s.seq.prompt_logprobs.append(TokenLogprob(chosen_list[row], top, ranks[row]))
+            row += 1
+
+
+def repeats(output: list[int], smallest: int, largest: int, count: int) -> bool:
+    """Whether the output ends in a pattern of `smallest`..`largest` tokens repeated `count` times: vLLM's check,
+    which tries the sizes upward and stops at the first the output is too short for."""
+    for size in range(max(smallest, 1), largest + 1):
+        if size * count > len(output):
+            return False
+        tail = output[-size:]
+        if all(output[len(output) - size * (m + 1) : len(output) - size * m] == tail for m in range(1, count)):
+            return True
+    return False
 
 
 def _tokens(seq: Sequence, start: int, end: int) -> list[int]:

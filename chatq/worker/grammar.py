@@ -111,6 +111,17 @@ class GrammarCompiler:
             return _compile("EBNF grammar", lambda: self._compiler.compile_grammar(source))
         return _compile("Lark grammar", lambda: self._compiler.compile_lark(source))
 
+    def structural_tag(self, tag: Mapping[str, Any]) -> Grammar:
+        """A structural tag (xgrammar's): text held to its `format`, or free text in which each of the older
+        `structures` opens at one of its `triggers`, as vLLM compiles either."""
+        if "structures" not in tag:
+            return _compile("structural tag", lambda: self._compiler.compile_structural_tag(json.dumps(tag)))
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"])
+            for s in tag["structures"]
+        ]
+        return _compile("structural tag", lambda: self._compiler.compile_structural_tag(items, tag["triggers"]))
+
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) -> Grammar:
         """tool_choice "required": see `tool_calls_schema`."""
         return self.json_schema(tool_calls_schema(tools, parallel=parallel))
@@ -121,6 +132,10 @@ class GrammarCompiler:
         if name not in functions:
             raise GrammarError(f"tool_choice names function {name!r}, which is not in tools")
         return self.json_schema(functions[name])
+
+    def tool_tags(self, parser: str, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) -> Grammar:
+        """tool_choice "auto" with a strict tool: see `tool_tags`."""
+        return _compile("tool calls", lambda: self._compiler.compile_structural_tag(tool_tags(parser, tools, parallel)))
 
 
 class GrammarState:
@@ -180,6 +195,41 @@ def tool_calls_schema(tools: Sequence[Mapping[str, Any]], *, parallel: bool = Tr
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# Where a tool parser's calls open (the trigger), how a call opens up to its arguments and how it closes, as vLLM's
+# structural tags write them: hermes with or without newlines inside its tags.
+CALL_TAGS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "hermes": (
+        ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
+        ("<tool_call>", '<tool_call>{{"name": {name}, "arguments": ', "}</tool_call>"),
+    ),
+    "llama3_json": (('{"name": ', '{{"name": {name}, "parameters": ', "}"),),
+}
+
+
+def tool_tags(parser: str, tools: Sequence[Mapping[str, Any]], parallel: bool) -> xgr.StructuralTag:
+    """Text that runs free until a call opens in the parser's format; from there the call is held to one of the tools,
+    a strict tool's arguments to its schema and any other's to a JSON object, as vLLM holds them. One call at most
+    when parallel_tool_calls is false."""
+    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat, TriggeredTagsFormat
+
+    strict = {fn["name"] for fn in _function_list(tools) if fn.get("strict") is True}
+    tags = [
+        TagFormat(
+            begin=begin.format(name=json.dumps(name, ensure_ascii=False)),
+            content=JSONSchemaFormat(json_schema=_opened(params) if name in strict else {"type": "object"}),
+            end=end,
+        )
+        for name, params in _functions(tools).items()
+        for _, begin, end in CALL_TAGS[parser]
+    ]
+    triggers = sorted({trigger for trigger, _, _ in CALL_TAGS[parser]})
+    return xgr.StructuralTag(format=TriggeredTagsFormat(triggers=triggers, tags=tags, stop_after_first=not parallel))
+
+
+def _function_list(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [tool.get("function", tool) for tool in tools if isinstance(tool, Mapping)]
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:

@@ -7,6 +7,7 @@ before the loop takes it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -14,13 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatq.core import chunks, logs
+from chatq.core import chunks, logs, sampling
 from chatq.core.chunks import TokenInfo
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
-from chatq.core.requests import ChatCompletionRequest
+from chatq.core.render import bad_words_ids
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.beam import BeamGroup, BeamSearch
 from chatq.worker.detokenize import Decoder, TextStream
@@ -29,11 +31,14 @@ from chatq.worker.grammar import Grammar, GrammarCompiler
 from chatq.worker.parse import JoinedDeltas, Parser
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
+from chatq.worker.sampler import SamplingParams
 from chatq.worker.timing import JobClock
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
+# How a logged finish_reason ends a replayed sequence; any other ends it as a stop.
+_FINISHES = {"length": Finish.length, "repetition": Finish.repetition}
 
 
 @dataclass
@@ -42,6 +47,9 @@ class Choice:
     seq: Sequence
     text: TextStream
     parser: Parser
+    prompt: int = 0  # which of the job's prompts it answers
+    echo: str = ""  # the text it echoes first
+    echo_pending: bool = False  # its echo waits for the prompt's logprobs, which come with its first token
     message: JoinedDeltas = field(default_factory=JoinedDeltas)
     logprobs: list[TokenInfo] = field(default_factory=list)
     unsent_logprobs: list[TokenInfo] = field(default_factory=list)
@@ -50,6 +58,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
+    prompt_ids_sent: bool = False  # a legacy stream's first chunk of the choice carries the prompt's ids
     held: Delta = field(default_factory=Delta)  # what a job answering at its end has made of it so far
     score: float = 0.0  # its cumulative logprob, which best_of ranks by
 
@@ -76,6 +85,8 @@ class JobRun:
         self.progress_at = 0.0  # time.monotonic() of its last progress write
         self.eos_ids = frozenset(model.eos_token_ids)
         self.continuous_usage = False
+        self.return_ids = False  # return_token_ids, where the job shows its tokens
+        self.deferred = False  # it answers at its end (beam search, best_of)
         self.resumed = False
         self.clock = clock or JobClock.starting()
         self.choices: list[Choice] = []
@@ -92,38 +103,39 @@ class JobRun:
 
     def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
         job, req = self.job, self.job.request
-        self.chunks, self.echo, self.include_reasoning = self._formatting()
+        self.chunks = chunks.formatter_for(job)
+        self.include_reasoning = req.include_reasoning if isinstance(req, ChatCompletionRequest) else True
         opts = req.stream_options
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        room = self.model.max_model_len - len(job.prompt_ids)
-        max_tokens = min(req.max_new_tokens or room, room)
-        self.plan = plan(req, max_tokens, self.eos_ids, self.model.sampling_defaults, compiler, settings)
-        # Hidden reasoning stays hidden: its tokens would show in logprobs (vLLM nulls them too).
+        bad_words = bad_words_ids(self.decoder.tokenizer, req.bad_words)
+        defaults = self.model.sampling_defaults
+        self.plan = plan(req, 1, self.eos_ids, defaults, compiler, settings, self.model.tokenizer, bad_words)
+        # Hidden reasoning stays hidden: its tokens would show in logprobs and token ids (vLLM nulls them too).
         self.hide_logprobs = self.plan.reasoning and not self.include_reasoning
-        # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
-        skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
+        self.return_ids = bool(req.return_token_ids) and not self.hide_logprobs
+        self.as_ids = bool(req.return_tokens_as_token_ids)
+        # A legacy echo's logprobs are the prompt's, made with its first token: the echo goes out then.
+        self.echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+        # vLLM samples one token to score a prompt, and shows none.
+        self.silent = req.scores_only
         # Beam search and best_of answer once every candidate has ended: the choices stream whole, at the end.
         self.deferred = req.use_beam_search or req.candidates > req.n
         if req.use_beam_search and settings.engine != "native":
             raise BadRequest("Beam search runs on chatq's own engine only (CHATQ_ENGINE=native).", "use_beam_search")
-        beams = self._beam_group(max_tokens) if req.use_beam_search else None
-        for i, params in enumerate(self.plan.params):
-            seq = Sequence(f"{job.id}/{i}", job.prompt_ids, params, priority=req.priority, format=self.plan.grammar)
-            if beams is not None:
-                seq.beams = beams
-                beams.seqs.append(seq)
-            text = TextStream(
-                self.decoder.tokenizer,
-                req.stop,
-                prompt_ids=job.prompt_ids,
-                skip_special_tokens=skip_special,
-                include_stop=req.include_stop_str_in_output,
+        for p, prompt_ids in enumerate(job.prompts):
+            room = self.model.max_model_len - len(prompt_ids)
+            max_tokens = (
+                1 if self.silent else sampling.max_tokens(req.max_new_tokens, self.model.sampling_defaults, room)
             )
-            # vLLM's engine holds the answer to its format (seq.format) by itself.
-            grammar = self.plan.grammar if settings.engine == "native" else None
-            choice = Choice(i, seq, text, self.plan.make_parser(), grammar=grammar)
-            self._constrain(choice)
-            self.choices.append(choice)
+            echo = self._echo(p, prompt_ids)
+            beams = self._beam_group(max_tokens) if req.use_beam_search else None
+            for i, params in enumerate(self.plan.params):
+                params = dataclasses.replace(params, max_tokens=max_tokens)
+                choice = self._choice(p * req.candidates + i, p, prompt_ids, params, echo, settings)
+                if beams is not None:
+                    choice.seq.beams = beams
+                    beams.seqs.append(choice.seq)
+                self.choices.append(choice)
 
     def _beam_group(self, max_tokens: int) -> BeamGroup:
         req = self.job.request
@@ -136,21 +148,47 @@ class JobRun:
         )
         return BeamGroup(search)
 
-    def _formatting(self) -> tuple[chunks.ChatFormatter, str, bool]:
-        """The formatter of the job's chunks, the text it echoes, and whether reasoning is shown."""
-        job, req = self.job, self.job.request
+    def _choice(
+        self, index: int, p: int, prompt_ids: list[int], params: SamplingParams, echo: str, settings: Settings
+    ) -> Choice:
+        """Choice `index`, which answers prompt `p`."""
+        req = self.job.request
+        seq = Sequence(
+            f"{self.job.id}/{index}",
+            prompt_ids,
+            params,
+            priority=req.priority,
+            format=self.plan.grammar,
+            cache_salt=bytes.fromhex(self.job.cache_partition),
+        )
+        # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
+        skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)
+        text = TextStream(
+            self.decoder.tokenizer,
+            req.stop,
+            prompt_ids=prompt_ids,
+            skip_special_tokens=skip_special,
+            include_stop=req.include_stop_str_in_output,
+        )
+        # vLLM's engine holds the answer to its format (seq.format) by itself.
+        grammar = self.plan.grammar if settings.engine == "native" else None
+        choice = Choice(index, seq, text, self.plan.make_parser(), p, echo, self.echo_logprobs, grammar=grammar)
+        self._constrain(choice)
+        return choice
+
+    def _echo(self, p: int, prompt_ids: list[int]) -> str:
+        """The text the choices of prompt `p` echo."""
+        req = self.job.request
         if isinstance(req, ChatCompletionRequest):
             last = req.messages[-1]
-            echo = (last.text() or "") if req.echo and last.role == req.response_role else ""
-            return chunks.formatter_for(job), echo, req.include_reasoning
+            return (last.text() or "") if req.echo and last.role == req.response_role else ""
         # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
+        prompt = req.prompts[p]
         if not req.echo:
-            echo = ""
-        elif isinstance(req.prompt, str) and req.truncate_prompt_tokens is None:
-            echo = req.prompt
-        else:
-            echo = self.decoder.tokenizer.decode(job.prompt_ids, skip_special_tokens=False)
-        return chunks.formatter_for(job), echo, True
+            return ""
+        if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
+            return prompt
+        return self.decoder.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     @property
     def finished(self) -> bool:
@@ -165,7 +203,13 @@ class JobRun:
         choices = self.choices if choices is None else choices
         completion = sum(len(c.seq.output_ids) for c in choices)
         reasoning = sum(c.reasoning_tokens for c in choices) if self.plan.reasoning else None
-        return chunks.usage(len(self.job.prompt_ids), completion, reasoning)
+        prompts = self.job.prompts
+        answered = sorted({c.prompt for c in choices})
+        prompt = sum(len(prompts[p]) for p in answered)
+        # One count per prompt, as vLLM reports one per request: its first choice's.
+        firsts = [next(c for c in self.choices if c.prompt == p).seq.cached_prompt_tokens for p in answered]
+        cached = None if None in firsts or not firsts else sum(c or 0 for c in firsts)
+        return chunks.usage(prompt, completion, reasoning, cached)
 
     def progress(self, now: float) -> int | None:
         """The completion tokens to write as the job's progress, when a write is due at `now` (time.monotonic())."""
@@ -177,7 +221,7 @@ class JobRun:
     def _metrics(self, end: JobEnd, now: float) -> dict[str, float]:
         """What the ended job adds to its model's metrics: its times, its usage's token counts, how it finished."""
         # A request refused here never generated: its usage counts nothing.
-        prompt = 0 if isinstance(self.error, BadRequest) else len(self.job.prompt_ids)
+        prompt = 0 if isinstance(self.error, BadRequest) else self.job.prompt_tokens
         reason = {JobStatus.failed: "error", JobStatus.cancelled: "abort"}.get(end.status)
         reason = reason or next((c.finish_reason for c in self.choices if c.finish_reason), None) or "stop"
         try:
@@ -189,15 +233,25 @@ class JobRun:
     def _event(self, kind: EventKind, data: dict[str, Any] | None = None, choice: Choice | None = None) -> Event:
         self.last_seq += 1
         if self.continuous_usage and data is not None and data.get("choices"):
-            data["usage"] = self.usage([self.choices[c["index"]] for c in data["choices"]])
+            data["usage"] = self.chunks.running_usage(self.usage([self.choices[c["index"]] for c in data["choices"]]))
         ids = None
         if choice is not None and choice.unlogged:
             ids, choice.unlogged = choice.unlogged, []
+        if self.return_ids and choice is not None and data is not None:
+            self._add_ids(choice, data["choices"][0], ids or [])
         event = Event(seq=self.last_seq, event=kind, data=data, ids=ids)
         # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
         # no UTF-8 encoder takes) would fail every job's writes.
         event.to_json()
         return event
+
+    def _add_ids(self, choice: Choice, data: dict[str, Any], ids: list[int]) -> None:
+        """return_token_ids, where vLLM streams them: a chunk's token ids in its choice; the prompt's in the first
+        chunk of a legacy choice (a chat stream's opening chunks carry them, from start())."""
+        data["token_ids"] = ids
+        if self.job.kind == "text" and not choice.prompt_ids_sent:
+            data["prompt_token_ids"] = self.job.prompts[choice.prompt]
+            choice.prompt_ids_sent = True
 
     def _chunk(self, choice: Choice, delta: Delta, carries_ids: bool = True) -> Event:
         logprobs = self._take_logprobs(choice)
@@ -209,18 +263,39 @@ class JobRun:
             return []
         if self.deferred:
             for c in self.choices:
-                c.message.add(Delta(content=self.echo))
+                if c.echo and not c.echo_pending:
+                    c.held = Delta(content=c.echo)
+                    c.message.add(c.held)
             return []
         events = []
         for c in self.choices:
             first = self.chunks.start(c.index)
             if first is not None:
+                if self.return_ids:
+                    first["prompt_token_ids"] = self.job.prompts[c.prompt]
                 events.append(self._event(EventKind.chunk, first))
-            if self.echo:
-                echo = Delta(content=self.echo)
+            if c.echo and not c.echo_pending:
+                echo = Delta(content=c.echo)
                 c.message.add(echo)
                 events.append(self._chunk(c, echo))
         return events
+
+    def _echo_with_logprobs(self, choice: Choice) -> Delta:
+        """The echo of a legacy choice, with its prompt's logprobs as vLLM lists them: the first token's null, then
+        each token's with the likeliest at its place, `logprobs` of them besides the token itself."""
+        choice.echo_pending = False
+        ids, entries, k = choice.seq.prompt_ids, choice.seq.prompt_logprobs, choice.seq.params.logprobs or 0
+        first = self.decoder.token(ids[0])
+        infos = [TokenInfo(first, None, [], 0)]
+        offset = len(first)
+        for token, e in zip(ids[1:], entries, strict=True):
+            info = self.decoder.info(token, e.logprob, [(t, lp) for t, lp in e.top if t != token][:k], offset)
+            infos.append(info)
+            offset += len(info.token)
+        choice.unsent_logprobs = infos + choice.unsent_logprobs
+        echo = Delta(content=choice.echo)
+        choice.message.add(echo)
+        return echo
 
     def handle(self, choice: Choice, out: Output, now: float) -> tuple[list[Event], list[str]]:
         """One engine output of the step that ended at `now`: its events, and the ids of the sequences the engine
@@ -252,16 +327,25 @@ class JobRun:
         """The events for one engine output, and whether the engine must drop the sequence (a stop string)."""
         if choice.finish_reason is not None:  # already ended by a stop string
             return [], False
+        events = []
+        if choice.echo_pending and out.token is not None:
+            echo = self._echo_with_logprobs(choice)
+            if self.deferred:
+                choice.held += echo
+            else:
+                events.append(self._chunk(choice, echo, carries_ids=False))
         if out.token is not None:
             choice.unlogged.append(out.token)
         if out.logprob is not None:
             choice.score += out.logprob.logprob
-        if out.token is None and out.seq.beams is not None and out.finish in (Finish.stop, Finish.length):
+        if self.silent:
+            delta, stop_now = Delta(), False
+        elif out.token is None and out.seq.beams is not None and out.finish in (Finish.stop, Finish.length):
             delta, stop_now = self._take_beam(choice, out), False
         else:
             delta, stop_now = self._take_token(choice, out)
         self._note_finish(choice, out)
-        ending = choice.finish_reason in ("stop", "length")
+        ending = choice.finish_reason in ("stop", "length", "repetition")
         if ending:
             delta = self._closing(choice, delta)
         if not self.include_reasoning:
@@ -272,11 +356,12 @@ class JobRun:
         choice.message.add(delta)
         if self.deferred:
             choice.held += delta
-            return [], stop_now
+            return events, stop_now
         # A cancelled choice ends its stream with `abort`, as a job cancelled while queued does (and as vLLM does):
         # a stream reader learns what a poller sees. That chunk, the last, carries the token ids with the finish.
         closes = ending or choice.finish_reason == "abort"
-        events = [self._chunk(choice, delta, carries_ids=not closes)] if delta else []
+        if delta:
+            events.append(self._chunk(choice, delta, carries_ids=not closes))
         if closes:
             finish = self.chunks.chunk(
                 choice.index, {}, self._take_logprobs(choice), choice.finish_reason, choice.stop_reason
@@ -296,14 +381,19 @@ class JobRun:
         after its last logged event; the next event continues the stream with the next number."""
         self.resumed = True
         for c in self.choices:
-            if self.echo:
-                c.message.add(Delta(content=self.echo))
+            if c.echo and not c.echo_pending:
+                c.message.add(Delta(content=c.echo))
         for event in log:
-            if event.ids and event.data and event.data.get("choices"):
-                logged = event.data["choices"][0]
-                choice = self.choices[logged["index"]]
+            if event.event is not EventKind.chunk or not event.data or not event.data.get("choices"):
+                continue
+            logged = event.data["choices"][0]
+            choice = self.choices[logged["index"]]
+            if choice.echo_pending:  # a choice's first chunk is its echo
+                choice.echo_pending = False
+                choice.message.add(Delta(content=choice.echo))
+            choice.logprobs.extend(self.chunks.read_logprobs(logged.get("logprobs")))
+            if event.ids:
                 self._replay(choice, event.ids, logged.get("finish_reason"))
-                choice.logprobs.extend(self.chunks.read_logprobs(logged.get("logprobs")))
         self.last_seq = log[-1].seq if log else 0
 
     def _replay(self, choice: Choice, ids: list[int], finish_reason: str | None) -> None:
@@ -313,7 +403,7 @@ class JobRun:
             # string ends one the sequence would not have. The last token of a finished choice came with its finish.
             seq.take(token, self.model.max_model_len)
             ended = finish_reason is not None and i == len(ids) - 1
-            finish = (Finish.length if finish_reason == "length" else Finish.stop) if ended else None
+            finish = _FINISHES.get(finish_reason or "", Finish.stop) if ended else None
             self.on_output(choice, Output(seq, token, finish))
         choice.unlogged, choice.unsent_logprobs = [], []
 
@@ -329,8 +419,9 @@ class JobRun:
             return Delta(), False
         if out.logprob is not None and not self.hide_logprobs:
             # Where the token's text begins: after the echo and all text decoded so far, held back or not.
-            offset = len(self.echo) + choice.text.decoded
-            choice.unsent_logprobs.append(self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset))
+            offset = len(choice.echo) + choice.text.decoded
+            info = self.decoder.info(out.token, out.logprob.logprob, out.logprob.top, offset, self.as_ids)
+            choice.unsent_logprobs.append(info)
         # min_tokens holds off stop strings as well as stop tokens.
         piece = choice.text.add(out.token, check_stops=seq.past_min_tokens)
         thinking = choice.parser.thinking
@@ -347,6 +438,7 @@ class JobRun:
     def _take_beam(self, choice: Choice, out: Output) -> Delta:
         """A beam search's answer for the choice, its tokens set on the sequence at the end, as one delta."""
         delta, tokens = Delta(), out.seq.output_ids
+        choice.unlogged.extend(tokens)
         for i, token in enumerate(tokens):
             finish = out.finish if i == len(tokens) - 1 else None
             delta += self._take_token(choice, Output(out.seq, token, finish))[0]
@@ -373,6 +465,8 @@ class JobRun:
             requested = last in seq.params.stop_token_ids and (req.ignore_eos or last not in self.eos_ids)
             if out.finish is Finish.stop and requested:
                 choice.stop_reason = last
+            elif out.finish is Finish.repetition:
+                choice.stop_reason = "repetition_detected"  # vLLM's
 
     def _closing(self, choice: Choice, delta: Delta) -> Delta:
         """What the choice's last output adds once it ends: text held back, and what the parser held."""
@@ -386,6 +480,7 @@ class JobRun:
 
     @property
     def reports_logprobs(self) -> bool:
+        """Whether the answer shows logprobs; best_of takes them to rank its candidates, asked for or not."""
         return self.job.request.num_logprobs is not None and not self.hide_logprobs
 
     def _take_logprobs(self, choice: Choice) -> dict[str, Any] | None:
@@ -418,9 +513,19 @@ class JobRun:
             events = [self._event(EventKind.error, body), self._event(EventKind.done)]
             return events, JobEnd(self.job.id, JobStatus.failed, tokens, error=body["error"])
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
-        events = self._answer() if self.deferred and status is JobStatus.completed else []
-        answered = self.choices[: self.job.request.n]
+        events = []
+        if self.deferred:
+            self._rank()
+            events = self._answer() if status is JobStatus.completed else []
+        answered = self.choices[: len(self.job.prompts) * self.job.request.n]
         result = self.chunks.final([self._final_choice(c) for c in answered], self.usage())
+        if (
+            isinstance(self.job.request, ChatCompletionRequest)
+            and self.choices[0].seq.params.prompt_logprobs is not None
+        ):
+            result["prompt_logprobs"] = self._prompt_logprobs(self.choices[0].seq)  # vLLM's place for them in chat
+        if self.return_ids and self.job.kind != "text":
+            result["prompt_token_ids"] = self.job.prompt_ids
         req = self.job.request
         opts = req.stream_options
         if status is JobStatus.completed and opts is not None and opts.include_usage:
@@ -430,25 +535,33 @@ class JobRun:
         events.append(self._event(EventKind.done, result if waited else None))
         return events, JobEnd(self.job.id, status, self.completion_tokens, result=result)
 
-    def _answer(self) -> list[Event]:
-        """A job that answers at its end: its best `n` choices (a beam search's come best first; best_of's are
-        ranked by cumulative logprob), numbered anew, each streamed as one delta; the others stay in its usage."""
-        if not self.job.request.use_beam_search:
-            self.choices.sort(key=lambda c: c.score, reverse=True)
-        events = []
+    def _rank(self) -> None:
+        """Puts each prompt's best `n` candidates first, numbered as its choices (a beam search's come best first;
+        best_of's rank by cumulative logprob), and the others after them, which count in the usage alone."""
+        n, answered, others = self.job.request.n, [], []
+        for p in range(len(self.job.prompts)):
+            candidates = [c for c in self.choices if c.prompt == p]
+            if not self.job.request.use_beam_search:
+                candidates.sort(key=lambda c: c.score, reverse=True)
+            answered += candidates[:n]
+            others += candidates[n:]
+        self.choices = answered + others
         for i, c in enumerate(self.choices):
             c.index = i
-            if i >= self.job.request.n:
-                continue
-            first = self.chunks.start(i)
+
+    def _answer(self) -> list[Event]:
+        """The answered choices of a job that answers at its end, each streamed whole in one chunk."""
+        events = []
+        for c in self.choices[: len(self.job.prompts) * self.job.request.n]:
+            first = self.chunks.start(c.index)
             if first is not None:
+                if self.return_ids:
+                    first["prompt_token_ids"] = self.job.prompts[c.prompt]
                 events.append(self._event(EventKind.chunk, first))
-            held = Delta(content=self.echo) + c.held if self.echo else c.held
-            if held:
-                data = self.chunks.chunk(i, chunks.delta_json(held), self._take_logprobs(c))
-                events.append(self._event(EventKind.chunk, data))
-            finish = self.chunks.chunk(i, {}, None, c.finish_reason, c.stop_reason)
-            events.append(self._event(EventKind.chunk, finish))
+            if c.held:
+                events.append(self._chunk(c, c.held, carries_ids=False))
+            finish = self.chunks.chunk(c.index, {}, self._take_logprobs(c), c.finish_reason, c.stop_reason)
+            events.append(self._event(EventKind.chunk, finish, c))
         return events
 
     def _final_choice(self, c: Choice) -> dict[str, Any]:
@@ -460,6 +573,27 @@ class JobRun:
         logprobs = None
         if self.reports_logprobs:
             logprobs = self.chunks.logprobs(c.logprobs + c.unsent_logprobs)
-        return self.chunks.final_choice(
+        final = self.chunks.final_choice(
             c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
         )
+        if isinstance(self.job.request, CompletionRequest) and c.seq.params.prompt_logprobs is not None:
+            final["prompt_logprobs"] = self._prompt_logprobs(c.seq)
+        if self.return_ids:
+            # Where vLLM puts them: a legacy choice holds its prompt's ids, a chat completion's object holds them.
+            if self.job.kind == "text":
+                final["prompt_token_ids"] = self.job.prompts[c.prompt]
+            final["token_ids"] = [] if self.silent else list(c.seq.output_ids)
+        return final
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: null for the first token, then for each a map of token id to its logprob, rank and
+        text, the prompt's token first and the likeliest after it."""
+        out: list[dict[str, Any] | None] = [None]
+        # Fewer than the prompt's only where the job ended before its prompt was read (cancelled, failed).
+        for token, e in zip(seq.prompt_ids[1:], seq.prompt_logprobs, strict=False):
+            ranked = [(token, e.logprob, e.rank)] + [(t, lp, r) for r, (t, lp) in enumerate(e.top, 1)]
+            entry: dict[str, Any] = {}
+            for t, lp, rank in ranked:
+                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self.decoder.token(t)})
+            out.append(entry)
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -14,6 +15,10 @@ from chatq.core.settings import Settings
 from chatq.worker.device import bind
 
 log = logging.getLogger(__name__)
+
+# The sampling the default model's card recommends (its example generates with these), which its GGUF does not carry:
+# without it, requests that leave them out sample at temperature 1 and a model this small rambles.
+CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def shipped_gguf() -> Path:
@@ -32,10 +37,23 @@ def shipped_gguf() -> Path:
 def ensure_model_dir(settings: Settings) -> Path:
     """Returns a transformers model directory, converting the shipped GGUF the first time on this machine."""
     target = settings.model_dir
-    if settings.model or (target / "config.json").exists():
+    if settings.model:
         return target
-    convert_gguf(shipped_gguf(), target)
+    if not (target / "config.json").exists():
+        convert_gguf(shipped_gguf(), target)
+    ship_card_sampling(target)  # also into a directory converted before it was part of the conversion
     return target
+
+
+def ship_card_sampling(target: Path) -> None:
+    """Writes the model card's sampling into the converted model's generation_config.json, unless it holds them."""
+    path = target / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if all(k in config for k in CARD_SAMPLING):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**config, **CARD_SAMPLING, "do_sample": True}, indent=2) + "\n")
+    os.replace(tmp, path)  # whole, for a worker or the API reading it meanwhile
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -56,6 +74,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             del config.quantization_config
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
+        ship_card_sampling(tmp)
         tokenizer.save_pretrained(tmp)
         from safetensors.torch import save_file
 

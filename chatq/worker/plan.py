@@ -6,16 +6,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
+from tokenizers import Tokenizer
 
 from chatq.core.errors import BadRequest
 from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
-from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError
+from chatq.worker.grammar import CALL_TAGS, Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser
 from chatq.worker.parse.forced import NamedToolParser, RequiredToolParser
-from chatq.worker.parse.reasoning import ReasoningParser
+from chatq.worker.parse.reasoning import THINK_END, THINK_START, ReasoningParser
 from chatq.worker.parse.tools import TOOL_PARSERS, FirstCallOnly
-from chatq.worker.sampler import SamplingParams
+from chatq.worker.sampler import SamplingParams, ThinkingBudget
 
 
 @dataclass
@@ -29,40 +30,69 @@ class Plan:
     forced_tools: bool = False  # a named or "required" tool_choice: the output is the calls
 
 
+def thinking_budget(
+    req: ChatCompletionRequest | CompletionRequest, settings: Settings, tokenizer: Tokenizer
+) -> ThinkingBudget | None:
+    """The request's thinking_token_budget, with the reasoning parser's markers as token ids (as vLLM tokenizes its
+    reasoning parser's start and end strings); a 400 for a model without a reasoning parser, as vLLM refuses it."""
+    if req.thinking_token_budget is None:
+        return None
+    if not settings.reasoning_parser:
+        raise BadRequest(
+            "thinking_token_budget is set but this model has no reasoning parser: its workers need "
+            "CHATQ_REASONING_PARSER to use thinking_token_budget.",
+            "thinking_token_budget",
+        )
+    start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False).ids) for tag in (THINK_START, THINK_END))
+    return ThinkingBudget(req.thinking_token_budget, start, end)
+
+
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, eos_ids: frozenset[int], defaults: dict
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    eos_ids: frozenset[int],
+    defaults: dict[str, float],
+    bad_words: list[list[int]] | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> list[SamplingParams]:
+    """One choice's parameters per choice; `bad_words`: the request's, tokenized (chatq.core.render.bad_words_ids)."""
     stop_ids = frozenset(req.stop_token_ids or []) | (frozenset() if req.ignore_eos else eos_ids)
+    rd = req.repetition_detection
+    repetition = (rd.min_pattern_size, rd.max_pattern_size, rd.min_count) if rd and rd.max_pattern_size else None
+    s = req.sampling(defaults)
     # Choosing the best of more candidates than answers takes each sampled token's logprob, asked for or not.
-    ranked = req.candidates > req.n
-    logprobs = (req.num_logprobs or 0) if ranked else req.num_logprobs
-
-    def pick(name: str, fallback: float) -> float:
-        value = getattr(req, name)
-        return value if value is not None else defaults.get(name, fallback)
-
+    logprobs = (req.num_logprobs or 0) if req.candidates > req.n else req.num_logprobs
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=int(pick("top_k", 0)),
-            min_p=pick("min_p", 0.0),
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=int(s["top_k"]),
+            min_p=s["min_p"],
             # Choices of one request must differ, yet stay reproducible under one seed.
             seed=None if req.seed is None else req.seed + i,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=s["presence_penalty"],
+            frequency_penalty=s["frequency_penalty"],
+            repetition_penalty=s["repetition_penalty"],
             logit_bias=req.bias(),
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
             logprobs=logprobs,
+            prompt_logprobs=req.num_prompt_logprobs,
+            logprob_ids=tuple(req.logprob_token_ids or ()),
+            allowed_ids=tuple(dict.fromkeys(req.allowed_token_ids or ())),
+            bad_words=tuple(tuple(w) for w in bad_words or ()),
+            repetition=repetition,
+            thinking=thinking,
         )
         for i in range(req.candidates)
     ]
 
 
-def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: GrammarCompiler) -> Grammar | None:
+def grammar_for(
+    req: ChatCompletionRequest | CompletionRequest, compiler: GrammarCompiler, tool_parser: str = ""
+) -> Grammar | None:
+    """The grammar the request holds its output to; `tool_parser`: how the model writes its own calls."""
     param = "tools"  # what a grammar that cannot be compiled is reported against
     try:
         if isinstance(req, ChatCompletionRequest) and (req.forced_tool or req.tool_choice == "required"):
@@ -70,6 +100,10 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
             if req.forced_tool:
                 return compiler.function(tools, req.forced_tool)
             return compiler.tool_calls(tools, parallel=req.parallel_tool_calls)
+        strict = first_strict_tool(req)
+        if isinstance(req, ChatCompletionRequest) and strict is not None:
+            param = f"tools.{strict}.function.strict"
+            return strict_tools(req, compiler, tool_parser, param)
         param = "response_format"
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -77,6 +111,8 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
             # Held to the schema with or without `strict: true`, as vLLM holds it: no property it does not list.
             return compiler.json_schema(fmt.json_schema.schema_ or {})
+        if fmt is not None and fmt.type == "structural_tag":
+            return compiler.structural_tag(fmt.structural_tag())
         so = req.structured_outputs
         param = "structured_outputs"
         if so is None:
@@ -90,21 +126,53 @@ def grammar_for(req: ChatCompletionRequest | CompletionRequest, compiler: Gramma
             return compiler.choice(so.choice)
         if so.grammar is not None:
             return compiler.grammar(so.grammar)
+        if so.structural_tag is not None:
+            return compiler.structural_tag(orjson.loads(so.structural_tag))  # an object, as the API read it
     except (GrammarError, orjson.JSONDecodeError) as e:
         raise BadRequest(str(e), param) from e
     return None
+
+
+def first_strict_tool(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The index of the first tool with `strict: true` under tool_choice "auto", where the model calls by itself."""
+    if not isinstance(req, ChatCompletionRequest) or req.tool_choice not in (None, "auto"):
+        return None
+    return next((i for i, t in enumerate(req.tools or []) if t.function.strict), None)
+
+
+def strict_tools(req: ChatCompletionRequest, compiler: GrammarCompiler, tool_parser: str, param: str) -> Grammar:
+    """Calls held to their tools once they open, in the tool parser's format: strict tools' arguments to their
+    schemas. Only formats a structural tag describes can be held so; refused by name otherwise."""
+    if tool_parser not in CALL_TAGS:
+        parsers = " and ".join(sorted(CALL_TAGS))
+        raise BadRequest(
+            f"`strict` tools under tool_choice auto are held to their schemas with the {parsers} tool parsers; "
+            f"this model's is {tool_parser or 'none'}. Leave `strict` out, or name the tool or require one in "
+            "`tool_choice`.",
+            param,
+        )
+    fmt = req.response_format
+    if req.structured_outputs is not None or (fmt is not None and fmt.type != "text"):
+        raise BadRequest(
+            "`strict` tools under tool_choice auto cannot be combined with `response_format` or `structured_outputs`.",
+            param,
+        )
+    tools = [t.model_dump() for t in req.tools or []]
+    return compiler.tool_tags(tool_parser, tools, parallel=req.parallel_tool_calls)
 
 
 def plan(
     req: ChatCompletionRequest | CompletionRequest,
     max_tokens: int,
     eos_ids: frozenset[int],
-    defaults: dict,
+    defaults: dict[str, float],
     compiler: GrammarCompiler | None,
     settings: Settings,
+    tokenizer: Tokenizer,
+    bad_words: list[list[int]] | None = None,
 ) -> Plan:
-    params = sampling_params(req, max_tokens, eos_ids, defaults)
-    grammar = grammar_for(req, compiler) if compiler is not None else None
+    params = sampling_params(req, max_tokens, eos_ids, defaults, bad_words, thinking_budget(req, settings, tokenizer))
+    grammar = grammar_for(req, compiler, settings.tool_parser) if compiler is not None else None
     if isinstance(req, CompletionRequest):
         return Plan(params, grammar, ContentParser, False, False, False)
     tool_names = {t.function.name for t in req.tools or []}

@@ -1,8 +1,9 @@
 """Per-sequence sampling over a batch of logits: every row keeps its own parameters, history and seed.
 
 Order as in vLLM: a grammar masks what it forbids; logprobs are taken there (the model's distribution over what the
-grammar allows); then min_tokens, logit_bias and penalties shape the logits, and temperature, top-k, top-p and
-min-p pick the candidates.
+grammar allows); then allowed_token_ids, bad words, min_tokens, logit_bias and penalties shape the logits, and
+temperature, top-k, top-p and min-p pick the candidates; last, a thinking budget that has run out forces its end
+marker's next token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from chatq.core.sampling import GREEDY_BELOW
 
 if TYPE_CHECKING:
     from chatq.worker.grammar import GrammarState
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """vLLM's thinking_token_budget: once the open thought (what follows the last start marker that no end marker
+    closed, in the prompt and the output) holds `tokens` tokens, the end marker's tokens are taken next, one a step."""
+
+    tokens: int
+    start: tuple[int, ...]  # the thought's start marker, as token ids
+    end: tuple[int, ...]  # its end marker: what ends a thought, and what the budget forces
 
 
 @dataclass
@@ -34,6 +45,15 @@ class SamplingParams:
     # Every id that ends the sequence: EOS (unless ignore_eos) and the request's stop_token_ids.
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely
+    # None: none; k: each prompt token's logprob (but the first's), its rank and the k most likely at its place.
+    prompt_logprobs: int | None = None
+    logprob_ids: tuple[int, ...] = ()  # with logprobs: these ids' logprobs in place of the k most likely
+    allowed_ids: tuple[int, ...] = ()  # empty: every token may be sampled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token may not follow the rest
+    # (min size, max size, count): the sequence ends once its output ends in a pattern of min..max tokens repeated
+    # count times.
+    repetition: tuple[int, int, int] | None = None
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -42,7 +62,9 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         return bool(
-            self.logit_bias
+            self.allowed_ids
+            or self.bad_words
+            or self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
@@ -61,6 +83,11 @@ class History:
     said: set[int] = field(default_factory=set)  # output ids: presence and frequency penalties
     said_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     counts: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [V]: how often each id was output
+    # A thinking budget's markers: prompt and output tokens looked through so far, and where the last start and the
+    # last end marker begin (-1: none yet).
+    marks_scanned: int = 0
+    last_start: int = -1
+    last_end: int = -1
 
 
 @dataclass
@@ -79,6 +106,7 @@ class Row:
 class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # among the vocabulary, 1 the most likely (given for a prompt token's)
 
 
 def to_device(device: torch.device, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -94,6 +122,14 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
         if not p.shapes_logits:
             continue
         line, dev = logits[i], logits.device
+        if p.allowed_ids:
+            allowed = to_device(dev, list(p.allowed_ids))
+            kept = line[allowed]  # a copy
+            line.fill_(float("-inf"))
+            line[allowed] = kept
+        for word in p.bad_words:
+            if _completes(row.output_ids, word):
+                line[word[-1]] = float("-inf")
         if len(row.output_ids) < p.min_tokens and p.stop_token_ids:
             stops = to_device(dev, [t for t in p.stop_token_ids if t < vocab])
             allowed = line[stops]  # a copy
@@ -115,6 +151,12 @@ def _shape(logits: torch.Tensor, rows: list[Row]) -> None:
             if p.presence_penalty or p.frequency_penalty:
                 said = h.said_ids
                 line.index_add_(0, said, -(p.frequency_penalty * h.counts[said] + p.presence_penalty))
+
+
+def _completes(output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether the word's last token would complete it: the output ends in the rest (vLLM's rule for bad words)."""
+    rest = len(word) - 1
+    return rest <= len(output) and (rest == 0 or tuple(output[-rest:]) == word[:-1])
 
 
 def _catch_up(row: Row, line: torch.Tensor) -> History:
@@ -191,17 +233,65 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[Token
         if unshaped is not None:
             logits[shaping_rows] = unshaped
         raise
+    forced = {i: t for i, r in enumerate(rows) if r.params.thinking is not None and (t := _forced(r)) is not None}
+    if forced:
+        # After the draw, so a seeded row's generator moves as it would have, and a continued job draws the same.
+        tokens[to_device(dev, list(forced))] = to_device(dev, list(forced.values()))
     ids = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw is not None and want_rows is not None:
-        k = max(rows[i].params.logprobs or 0 for i in want)
+        k = max(0 if rows[i].params.logprob_ids else rows[i].params.logprobs or 0 for i in want)
         vals, top = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         chosen = raw.gather(1, tokens[want_rows][:, None])[:, 0].tolist()
         top_vals, top_ids = vals.tolist(), top.tolist()
         for j, i in enumerate(want):
-            n = rows[i].params.logprobs or 0
+            p = rows[i].params
+            if p.logprob_ids:
+                logprobs[i] = _named(raw[j], ids[i], chosen[j], p.logprob_ids)
+                continue
+            n = p.logprobs or 0
             logprobs[i] = TokenLogprob(chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
     return ids, logprobs
+
+
+def _named(raw: torch.Tensor, token: int, logprob: float, named: tuple[int, ...]) -> TokenLogprob:
+    """The logprobs of the sampled token and then of each named id, each once, as vLLM lists them for
+    logprob_token_ids."""
+    others = [t for t in dict.fromkeys(named) if t != token]
+    values = raw[to_device(raw.device, others)].tolist() if others else []
+    return TokenLogprob(logprob, [(token, logprob), *zip(others, values, strict=True)])
+
+
+def _forced(row: Row) -> int | None:
+    """The token a thinking budget forces next, if it does: the end marker's next token, once the open thought has
+    its budget of tokens (vLLM's rule, counting the prompt's tokens after a start marker it ends with). A row that
+    a grammar holds is past its thought."""
+    budget = row.params.thinking
+    if budget is None or row.grammar is not None:
+        return None
+    h, prompt, out = row.history, row.prompt_ids, row.output_ids
+    total = len(prompt) + len(out)
+
+    def at(i: int) -> int:
+        return prompt[i] if i < len(prompt) else out[i - len(prompt)]
+
+    def marks(i: int, marker: tuple[int, ...]) -> bool:
+        return i + len(marker) <= total and all(at(i + j) == t for j, t in enumerate(marker))
+
+    if h.marks_scanned > total:  # the output was cut back: look again from the start
+        h.marks_scanned, h.last_start, h.last_end = 0, -1, -1
+    longest = max(len(budget.start), len(budget.end))
+    for i in range(max(0, h.marks_scanned - longest + 1), total):
+        if marks(i, budget.start):
+            h.last_start = i
+        if marks(i, budget.end):
+            h.last_end = i
+    h.marks_scanned = total
+    if h.last_start < 0 or h.last_start <= h.last_end or total - h.last_start - len(budget.start) < budget.tokens:
+        return None
+    # Continue an end marker already begun at the tail (forced in earlier steps, or written by the model).
+    begun = max((k for k in range(1, len(budget.end)) if marks(total - k, budget.end[:k])), default=0)
+    return budget.end[begun]
 
 
 def skip_draws(generator: torch.Generator, tokens: int, vocab: int) -> None:

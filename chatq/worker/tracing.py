@@ -62,7 +62,7 @@ class JobTrace:
         self.span.set_attributes(
             {
                 "chatq.status": status,
-                "gen_ai.usage.input_tokens": len(run.job.prompt_ids),
+                "gen_ai.usage.input_tokens": run.job.prompt_tokens,
                 "gen_ai.usage.output_tokens": run.completion_tokens,
                 "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in run.choices],
             }
@@ -75,7 +75,7 @@ class JobTrace:
             "job %s %s: %d prompt tokens, %d completion tokens, finish %s",
             run.job.id,
             status,
-            len(run.job.prompt_ids),
+            run.job.prompt_tokens,
             run.completion_tokens,
             ",".join(c.finish_reason or "-" for c in run.choices) or "-",
         )

@@ -125,9 +125,10 @@ class VllmEngine:
 
         try:
             params = self._params(seq)
-            (prompt,) = self.engine.renderer.render_cmpl(
-                [TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.output_ids)]
-            )
+            tokens = TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.output_ids)
+            if seq.cache_salt:
+                tokens["cache_salt"] = seq.cache_salt.hex()  # vLLM's own partition of its prefix cache
+            (prompt,) = self.engine.renderer.render_cmpl([tokens])
             self.engine.add_request(seq.id, prompt, params, priority=seq.priority)
         except Exception as e:  # vLLM's checks of one request: that request fails, not the worker
             log.warning("vLLM refused sequence %s: %s", seq.id, e, extra=job_of(seq))
@@ -148,7 +149,7 @@ class VllmEngine:
             # A complete grammar allows only EOS, which ends the sequence even where the request ignores EOS, as
             # chatq's engine ends it.
             stops |= self.eos_token_ids
-        return SamplingParams(
+        params = SamplingParams(
             temperature=0.0 if p.greedy else p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
@@ -163,11 +164,19 @@ class VllmEngine:
             # chatq's stop ids hold EOS unless the request ignores it: vLLM's own EOS rule would end it regardless.
             stop_token_ids=sorted(stops),
             ignore_eos=True,
-            logprobs=p.logprobs,
+            logprobs=None if p.logprob_ids else p.logprobs,
+            logprob_token_ids=list(p.logprob_ids) or None,
+            allowed_token_ids=list(p.allowed_ids) or None,
+            # Of the prompt vLLM is given, which holds the output so far of a sequence taken up with some.
+            prompt_logprobs=p.prompt_logprobs if seq.scoring else None,
             structured_outputs=grammar,
+            thinking_token_budget=p.thinking.tokens if p.thinking is not None else None,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
+        # chatq tokenized the bad words as vLLM would; vLLM takes them as text only, tokenizing them itself.
+        params._bad_words_token_ids = [list(w) for w in p.bad_words] or None
+        return params
 
     def _outputs(self, request: Any) -> list[Output]:
         """One chatq output per new token of a vLLM RequestOutput (speculative decoding makes several a step), the
@@ -177,6 +186,15 @@ class VllmEngine:
         if seq is None:  # ended here already
             return []
         done = request.outputs[0]
+        if seq.scoring and request.prompt_logprobs:
+            k = seq.params.prompt_logprobs or 0
+            # The first token has none; the first prompt's positions are the sequence's prompt.
+            entries = list(request.prompt_logprobs)[1 : len(seq.prompt_ids)]
+            seq.prompt_logprobs = [
+                token_logprob(t, e, k, ranked=True) for t, e in zip(seq.prompt_ids[1:], entries, strict=True)
+            ]
+        if seq.cached_prompt_tokens is None and request.num_cached_tokens is not None:
+            seq.cached_prompt_tokens = request.num_cached_tokens
         outputs = []
         for i, token in enumerate(done.token_ids):
             finish = seq.take(token, self.max_model_len)
@@ -184,7 +202,7 @@ class VllmEngine:
                 finish = FINISHES.get(done.finish_reason)
             logprob = None
             if done.logprobs and seq.params.logprobs is not None:
-                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs)
+                logprob = token_logprob(token, done.logprobs[i], seq.params.logprobs, named=seq.params.logprob_ids)
             outputs.append(Output(seq, token, finish, logprob))
             if finish is not None:
                 self._close(seq, finish, stop_vllm=not request.finished)
@@ -261,8 +279,17 @@ class StatsRecorder:
         pass
 
 
-def token_logprob(token: int, entries: Mapping[int, Any], k: int) -> TokenLogprob:
-    """vLLM's logprobs at one position (the sampled token's and the k most likely, each with its rank) as chatq's."""
-    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
-    top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in ranked[:k]]
-    return TokenLogprob(max(entries[token].logprob, LOGPROB_FLOOR), top)
+def token_logprob(
+    token: int, entries: Mapping[int, Any], k: int, ranked: bool = False, named: tuple[int, ...] = ()
+) -> TokenLogprob:
+    """vLLM's logprobs at one position (the sampled or prompt token's and the k most likely, each with its rank; or,
+    for `named` ids, the sampled token's and theirs) as chatq's; `ranked`: with the token's rank, as a prompt token's
+    entry has it."""
+    mine = entries[token]
+    rank = mine.rank if ranked else None
+    if named:
+        listed = [(t, max(e.logprob, LOGPROB_FLOOR)) for t, e in entries.items()]
+        return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), listed, rank)
+    by_rank = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
+    top = [(t, max(lp, LOGPROB_FLOOR)) for _, t, lp in by_rank[:k]]
+    return TokenLogprob(max(mine.logprob, LOGPROB_FLOOR), top, rank)

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 
 import openai
 import pytest
@@ -17,6 +18,7 @@ from pydantic import SecretStr
 
 from chatq.api.app import create_app
 from chatq.core import keys
+from chatq.core.job import cache_partition
 from chatq.core.settings import Settings
 from tests.api.conftest import KEY_A, KEY_B, Guarded
 from tests.helpers import assert_error, wait_for
@@ -149,3 +151,27 @@ def test_only_the_configured_origins_may_call_from_a_browser(settings: Settings)
         assert "access-control-allow-origin" not in foreign.headers
         listed = http.get("/version", headers={"Origin": "https://other.example"})
         assert listed.headers["access-control-allow-origin"] == "https://other.example"
+
+
+def test_the_prefix_cache_is_partitioned_by_key_and_within_a_key_by_cache_salt(guarded: Guarded):
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + "You answer questions about tides. " * 12}
+
+    def cached(http, question: str, **fields) -> int:
+        body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": 1, **fields}
+        return http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with guarded.client(KEY_A) as a, guarded.client(KEY_B) as b:
+        assert cached(a, "When is high tide?") == 0
+        assert cached(a, "Why are there tides?") >= 96  # the key's own system prompt, cached
+        assert cached(b, "What is a neap tide?") == 0  # another key's is not found
+        assert cached(a, "What is a spring tide?", cache_salt="team-1") == 0
+        assert cached(a, "What is a king tide?", cache_salt="team-1") >= 96
+        assert cached(b, "What is a red tide?", cache_salt="team-1") == 0  # a salt partitions within its key only
+
+
+def test_a_jobs_partition_is_its_keys_and_salts_unless_the_cache_is_shared():
+    a, b = hashlib.sha256(b"a").hexdigest(), hashlib.sha256(b"b").hexdigest()
+    partitions = {cache_partition(owner, salt, False) for owner in (a, b) for salt in (None, "s")}
+    assert len(partitions) == 4 and "" not in partitions
+    assert cache_partition("", None, False) == "" == cache_partition(a, None, True)  # an open API, a shared cache
+    assert cache_partition(a, "s", True) == cache_partition(b, "s", True) != ""

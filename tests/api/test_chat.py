@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import uuid
+
 import openai
 
 from chatq.core.requests import ChatCompletionRequest
+from tests.helpers import stream, wait_for
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -142,3 +146,61 @@ def test_a_stream_with_keep_alives_among_its_events_reads_cleanly(client: openai
     )
     assert chunks[-1].usage.completion_tokens == 48
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_fields_left_out_sample_with_the_models_defaults_and_the_requests_own_win(http, client, model_name):
+    card = http.get("/v1/models").json()["data"][0]
+    # The default model ships its card's recommended sampling.
+    assert card["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    ask = {"model": model_name, "messages": QUESTION, "max_tokens": 24}
+
+    def text(seed: int = 7, **fields) -> str:
+        return client.chat.completions.create(**ask, seed=seed, **fields).choices[0].message.content
+
+    left_out = text()
+    assert left_out == text(temperature=0.2, top_p=0.9)
+    assert "Paris" in left_out
+    assert text(temperature=1.5) != left_out  # the request's own temperature is what runs, under the same seed
+    # n > 1 is refused only when the temperature that runs is greedy: the model's default is not.
+    assert len(client.chat.completions.create(**ask, seed=7, n=2).choices) == 2
+
+
+SYSTEM = "You are a careful assistant for a bakery. " * 12
+
+
+def _cached(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cached_tokens_count_the_prompt_the_prefix_cache_served(http, model_name):
+    system = [{"role": "system", "content": f"{uuid.uuid4().hex} {SYSTEM}"}]
+
+    def ask(question: str, **fields) -> dict:
+        messages = [*system, {"role": "user", "content": question}]
+        return http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **fields}).json()
+
+    first = ask("When do you open?")
+    assert _cached(first) == 0
+    again = ask("Do you sell rye bread?")
+    # The system prompt's whole blocks, not the question nor the last prompt token.
+    assert 100 <= _cached(again) < again["usage"]["prompt_tokens"]
+    assert _cached(again) % 16 == 0
+    frames = stream(
+        http,
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [*system, {"role": "user", "content": "Any cakes?"}],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    usage = json.loads(frames[-2].data)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == _cached(again)
+    job = ask("Any pies?", background=True)
+    done = wait_for(http, job["id"], lambda j: j["status"] == "completed")
+    assert _cached(done) == _cached(again)
+    text = {"model": model_name, "prompt": system[0]["content"] + " Hours?", "max_tokens": 2}
+    http.post("/v1/completions", json=text)
+    assert _cached(http.post("/v1/completions", json=text).json()) >= 96

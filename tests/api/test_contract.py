@@ -252,7 +252,7 @@ def test_legacy_completions(client, model_name, http):
     choice = resp.choices[0]
     assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
     assert choice.text.startswith("The capital of France is") and len(choice.text) > len("The capital of France is")
-    # Logprobs without echo: with it they would have to be the prompt's (a 400 until they are).
+    # Logprobs without echo (with it, the prompt's come first: tests/api/test_scoring.py).
     scored = client.completions.create(
         model=model_name, prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=2
     ).choices[0]
@@ -285,5 +285,43 @@ def test_a_non_streamed_answer_has_every_key_of_vllms_shape(http: httpx.Client):
     assert set(body) >= {"id", "object", "created", "model", "choices", "usage", "system_fingerprint"}
     choice = body["choices"][0]
     assert set(choice) == {"index", "message", "logprobs", "finish_reason", "stop_reason"}
-    assert set(choice["message"]) == {"role", "content", "reasoning"} and choice["message"]["reasoning"] is None
-    assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    message = choice["message"]
+    nulls = {"refusal", "annotations", "audio", "function_call", "reasoning"}
+    assert set(message) == {"role", "content", *nulls} and all(message[k] is None for k in nulls)
+    usage = body["usage"]
+    assert set(usage) == {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+        "completion_tokens_details",
+    }
+    assert set(usage["prompt_tokens_details"]) == {"cached_tokens"} and usage["completion_tokens_details"] is None
+    text = http.post("/v1/completions", json={"prompt": "Count to 3:", "max_tokens": 2}).json()
+    assert (
+        text["usage"]["completion_tokens_details"] is None and "cached_tokens" in text["usage"]["prompt_tokens_details"]
+    )
+
+
+def test_streamed_usage_leaves_out_null_details_as_vllm_does(http: httpx.Client):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": COUNT, "max_tokens": 3, "stream": True, "stream_options": opts}
+    chunks = [f.json for f in stream(http, "POST", "/v1/chat/completions", json=body)[:-1]]
+    assert set(chunks[-1]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    # A running usage names the completion details, null without a reasoning parser, and not the prompt's.
+    running = [c["usage"] for c in chunks[:-1]]
+    assert all(u["completion_tokens_details"] is None and "prompt_tokens_details" not in u for u in running)
+    legacy = {"prompt": "Count to 3:", "max_tokens": 3, "stream": True, "stream_options": opts}
+    chunks = [f.json for f in stream(http, "POST", "/v1/completions", json=legacy)[:-1]]
+    assert all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"} for c in chunks[:-1])
+
+
+def test_a_role_besides_the_five_reaches_the_chat_template(http: httpx.Client, renderer):
+    messages = [{"role": "narrator", "content": "The night was dark."}, {"role": "user", "content": "Go on."}]
+    body = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).json()
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    tokenized = http.post("/tokenize", json={"messages": messages}).json()
+    assert "<|im_start|>narrator\nThe night was dark." in renderer.tokenizer.decode(
+        tokenized["tokens"], skip_special_tokens=False
+    )
+    assert body["usage"]["prompt_tokens"] == tokenized["count"]

@@ -271,7 +271,7 @@ def test_a_queued_job_of_another_model_leaves_its_own_queue_when_cancelled(setti
         try:
             store = JobStore(client, make_celery(settings), settings)
             request = ChatCompletionRequest(messages=LONG)
-            job = (await store.submit(request, "chat", "another-model", [1, 2, 3], None)).job
+            job = (await store.submit(request, "chat", "another-model", [[1, 2, 3]], None)).job
             return job.id
         finally:
             await client.aclose()

@@ -162,7 +162,9 @@ def test_a_template_that_prints_content_gets_one_string(tmp_path):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert renderer.render(req(messages=[{"role": "user", "content": parts}])).text == "<a\nb>"
     # The default model's template is one of these.
-    assert Renderer(ModelInfo.read("SmolLM2", Settings().model_dir)).content_parts == {"default": False}
+    assert {
+        name: t.content_parts for name, t in Renderer(ModelInfo.read("SmolLM2", Settings().model_dir)).templates.items()
+    } == {"default": False}
 
 
 def test_a_final_message_given_as_parts_is_continued_after_its_last_part(tmp_path):
@@ -187,3 +189,39 @@ def test_a_tool_result_is_one_string_even_for_a_template_that_loops_over_content
         {"role": "tool", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "2"}]},
     ]
     assert renderer.render(req(messages=messages)).text == "[Hi]TOOL:4\n2"
+
+
+def test_a_request_brings_its_own_template_only_where_trusted(tmp_path, renderer):
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    for fields in ({"chat_template": own}, {"chat_template_kwargs": {"chat_template": own}}):
+        with pytest.raises(BadRequest, match="CHATQ_TRUST_REQUEST_CHAT_TEMPLATE is not set") as refused:
+            renderer.render(req(**fields))
+        assert refused.value.param == next(iter(fields))
+    shutil.copy(Settings().model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    trusting = Renderer(ModelInfo.read("test-model", tmp_path, max_model_len=2048), trust_request_templates=True)
+    assert trusting.render(req(chat_template=own)).text == "[user] Hi\n"
+    assert trusting.render(req(chat_template_kwargs={"chat_template": own})).text == "[user] Hi\n"
+    assert trusting.render(req()).text == "<user>Hi</user>\n<assistant>"  # none given: the model's own
+    with pytest.raises(BadRequest, match="not a valid template") as broken:
+        trusting.render(req(chat_template="{% for m in messages %}"))
+    assert broken.value.param == "chat_template"
+    # Sandboxed all the same: a template reaching for Python's internals is refused, not run.
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(BadRequest, match="could not render"):
+        trusting.render(req(chat_template=escape))
+
+
+def test_a_worker_template_setting_replaces_the_models_own(tmp_path):
+    shutil.copy(Settings().model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    named = [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": "T"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    own = "{% for m in messages %}{{ m.content }};{% endfor %}"
+    (tmp_path / "own.jinja").write_text(own)
+    for setting in (str(tmp_path / "own.jinja"), own):
+        info = ModelInfo.read("test-model", tmp_path, max_model_len=2048, chat_template=setting)
+        assert info.chat_templates == {"default": own}
+        tool = {"type": "function", "function": {"name": "f"}}
+        assert Renderer(info).render(req(tools=[tool])).text == "Hi;"
+    with pytest.raises(RuntimeError, match="CHATQ_CHAT_TEMPLATE"):
+        ModelInfo.read("test-model", tmp_path, max_model_len=2048, chat_template=str(tmp_path / "missing.jinja"))

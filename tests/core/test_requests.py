@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from chatq.core.errors import BadRequest
@@ -11,10 +13,15 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_null_reads_as_left_out_where_a_field_cannot_be_null():
-    body = {"messages": MESSAGES, "n": None, "stream": None, "presence_penalty": None, "add_generation_prompt": None}
+    body = {"messages": MESSAGES, "n": None, "stream": None, "min_tokens": None, "add_generation_prompt": None}
     req = ChatCompletionRequest.model_validate(body)
-    assert (req.n, req.stream, req.presence_penalty, req.add_generation_prompt) == (1, False, 0.0, True)
-    # Where null means something it stays: a legacy completion's max_tokens null is "the room left", not 16.
+    assert (req.n, req.stream, req.min_tokens, req.add_generation_prompt) == (1, False, 0, True)
+    # Where null means something it stays: a penalty left out takes the model's default, else OpenAI's.
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "presence_penalty": None})
+    assert (
+        req.sampling({"presence_penalty": 0.5})["presence_penalty"] == 0.5 and req.sampling({})["presence_penalty"] == 0
+    )
+    # A legacy completion's max_tokens null is "the room left", not 16.
     assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
     assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
 
@@ -78,7 +85,6 @@ def test_unhonoured_options_that_ask_for_nothing_pass_and_others_are_refused():
         ({"guided_json": {"type": "object"}}, "guided_json"),  # vLLM's older name: unconstrained output otherwise
         ({"guided_regex": "a+"}, "guided_regex"),
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
-        ({"cache_salt": "s3cret"}, "cache_salt"),
         ({"truncation_side": "right"}, "truncation_side"),
         ({"stream_interval": 4}, "stream_interval"),
         (
@@ -173,3 +179,33 @@ def test_a_batch_of_one_legacy_prompt_is_that_prompt():
     assert CompletionRequest.model_validate({"prompt": ["Say hi"]}).prompt == "Say hi"
     assert CompletionRequest.model_validate({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     assert CompletionRequest.model_validate({"prompt": [5]}).prompt == [5]  # one token id, not a batch
+
+
+STRUCTURES = {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]}
+FORMAT = {"format": {"type": "triggered_tags", "triggers": ["<f="], "tags": []}}
+
+
+@pytest.mark.parametrize("tag", [FORMAT, STRUCTURES])
+def test_a_structural_tag_in_either_form_passes_in_either_field(tag):
+    ChatCompletionRequest(messages=MESSAGES, response_format={"type": "structural_tag", **tag}).check()
+    text = json.dumps({"type": "structural_tag", **tag})
+    ChatCompletionRequest(messages=MESSAGES, structured_outputs={"structural_tag": text}).check()
+
+
+@pytest.mark.parametrize(
+    ("tag", "needle"),
+    [
+        ({}, "needs a `format` object"),
+        ({"structures": STRUCTURES["structures"], "triggers": []}, "need `triggers`"),
+        ({**STRUCTURES, "triggers": ["<g="]}, "starts with no trigger"),
+        ({"format": {"type": "json_schema", "json_schema": {"type": "object", "uniqueItems": True}}}, "uniqueItems"),
+    ],
+)
+def test_a_malformed_structural_tag_is_refused_naming_its_field(tag, needle):
+    with pytest.raises(BadRequest, match=needle) as e:
+        ChatCompletionRequest(messages=MESSAGES, response_format={"type": "structural_tag", **tag}).check()
+    assert e.value.param == "response_format"
+    for text in (json.dumps(tag), "[1]", "{not json"):
+        with pytest.raises(BadRequest) as e:
+            ChatCompletionRequest(messages=MESSAGES, structured_outputs={"structural_tag": text}).check()
+        assert e.value.param == "structured_outputs"

@@ -13,11 +13,12 @@ class Seq:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached: int = 0
+    cache_salt: bytes = b""
 
 
-def computed(manager: BlockManager, prompt: list[int]) -> Seq:
+def computed(manager: BlockManager, prompt: list[int], salt: bytes = b"") -> Seq:
     """A sequence whose prompt went through a forward pass, its full blocks registered for sharing."""
-    seq = Seq(prompt)
+    seq = Seq(prompt, cache_salt=salt)
     manager.reuse_prefix(seq)
     assert manager.grow(seq, len(prompt))
     seq.num_cached = len(prompt)
@@ -65,3 +66,14 @@ def test_a_forked_beam_without_a_free_block_computes_its_last_one_again():
     assert manager.own_last(a) is None
     assert a.blocks == b.blocks[:1] and a.num_cached == 4
     assert manager.own_last(b) is None and b.num_cached == 6
+
+
+def test_a_prefix_cached_under_one_salt_is_found_only_under_that_salt():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    system = list(range(100, 112))
+    computed(manager, [*system, 1], salt=b"key a")
+    for salt, found in ((b"key a", 12), (b"key b", 0), (b"", 0)):
+        seq = Seq([*system, 2], cache_salt=salt)
+        manager.reuse_prefix(seq)
+        assert seq.num_cached == found, salt
+        manager.release(seq)

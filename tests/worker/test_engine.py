@@ -11,7 +11,7 @@ from chatq.core.render import Renderer
 from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker import attention, sampler
-from chatq.worker.engine import Engine, Finish, Sequence
+from chatq.worker.engine import Engine, Finish, Sequence, repeats
 from chatq.worker.grammar import GrammarCompiler, GrammarState
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.model import load_model
@@ -313,7 +313,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
     assert sampled([]) == sampled(prompts[1:4])
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+FILTERED = {"temperature": 1.0, "seed": 7, "allowed_ids": tuple(range(200, 3000)), "bad_words": ((260, 261), (300,))}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0}, {"temperature": 1.0, "seed": 7}, FILTERED],
+    ids=["greedy", "seeded", "filtered"],
+)
 def test_a_sequence_taken_up_with_its_output_so_far_continues_as_it_would_have(model, prompts, params):
     # As a worker continues a job from its log: prompt and output prefilled again, then sampling goes on.
     def engine() -> Engine:
@@ -323,6 +330,34 @@ def test_a_sequence_taken_up_with_its_output_so_far_continues_as_it_would_have(m
     for cut in (1, 13):
         again = Sequence("x", prompts[1], SamplingParams(max_tokens=30, **params), output_ids=whole[:cut])
         assert run(engine(), [again])["x"].output_ids == whole
+
+
+def test_a_repeated_pattern_ends_a_sequence_as_vllm_detects_it():
+    assert repeats([5, 1, 2, 1, 2, 1, 2], 1, 2, 3)
+    assert not repeats([5, 1, 2, 1, 2, 1, 2], 1, 2, 4)
+    assert not repeats([1, 2, 1, 2, 1, 2], 1, 1, 3)  # a pattern of 2 is beyond the largest size
+    assert not repeats([7, 7, 7, 7], 2, 2, 3)  # four tokens are too few for a pattern of 2 three times
+    assert repeats([7, 7, 7], 0, 1, 3)
+    for min_tokens, at in ((0, 5), (7, 6)):  # from min_tokens on
+        seq = Sequence("r", [1], SamplingParams(max_tokens=10, repetition=(1, 2, 3), min_tokens=min_tokens))
+        ends = [seq.take(t, 100) for t in [1, 2, 1, 2, 1, 2, 1][: at + 1]]
+        assert ends == [None] * at + [Finish.repetition]
+
+
+def test_a_sequence_counts_the_prompt_the_prefix_cache_served_within_its_salt_only(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+
+    def served(name: str, salt: bytes) -> Sequence:
+        seq = Sequence(name, prompts[1], SamplingParams(max_tokens=NEW, temperature=0), cache_salt=salt)
+        return run(engine, [seq])[name]
+
+    first = served("a", b"key a")
+    assert first.cached_prompt_tokens == 0 and first.output_ids == reference[1]
+    again = served("b", b"key a")
+    assert again.cached_prompt_tokens == (len(prompts[1]) - 1) // 16 * 16 > 0
+    assert again.output_ids == reference[1]
+    assert served("c", b"key b").cached_prompt_tokens == 0
+    assert served("d", b"").cached_prompt_tokens == 0
 
 
 def test_stop_token_ends_a_sequence(model, prompts, reference):
@@ -422,3 +457,48 @@ def test_a_fast_path_failing_at_run_time_is_turned_off_and_the_step_runs_again(m
             done = run(engine, [greedy(i, ids) for i, ids in enumerate(prompts[:3])])
         assert engine.mode == "plain" and engine.graphs is None
     assert [done[str(i)].output_ids for i in range(3)] == reference[:3]
+
+
+def expected_prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[float, int, list[int]]]:
+    """transformers' log_softmax over the prompt: each token's logprob (but the first's), its rank, the k likeliest."""
+    with torch.inference_mode():
+        lp = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+    out = []
+    for p, token in enumerate(ids[1:]):
+        out.append((float(lp[p, token]), int((lp[p] >= lp[p, token]).sum()), lp[p].topk(k).indices.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_prompt_logprobs_equal_transformers_log_softmax(model, prompts, chunk):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=chunk, max_model_len=8192)
+    run(engine, [greedy(9, prompts[0])])  # its blocks are in the prefix cache now, which scoring must not skip
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
+        for i, ids in enumerate(prompts[:3])
+    ]
+    done = run(engine, seqs)
+    assert engine.blocks.hits == 0
+    done |= run(engine, [greedy(8, prompts[3])])
+    for i, ids in enumerate(prompts[:3]):
+        got = done[str(i)].prompt_logprobs
+        want = expected_prompt_logprobs(model, ids, 3)
+        assert len(got) == len(ids) - 1
+        for entry, (logprob, rank, top) in zip(got, want, strict=True):
+            assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+            assert entry.rank == rank
+            assert [t for t, _ in entry.top] == top
+    assert done["8"].prompt_logprobs == []
+
+
+def test_a_preempted_sequence_scores_its_prompt_once(model, prompts):
+    engine = Engine(model, kv_tokens=160, block_size=16, prefill_chunk=16, max_model_len=80)
+    seqs = [
+        Sequence(str(i), ids, SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=0))
+        for i, ids in enumerate(prompts[:3])
+    ]
+    done = run(engine, seqs)
+    assert engine.stats.preemptions
+    for i, ids in enumerate(prompts[:3]):
+        want = expected_prompt_logprobs(model, ids, 1)
+        assert [e.logprob for e in done[str(i)].prompt_logprobs] == pytest.approx([w[0] for w in want], abs=1e-4)

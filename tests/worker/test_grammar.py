@@ -98,6 +98,22 @@ def allowed(state: GrammarState) -> torch.Tensor:
 
 ADA = '{"name": "Ada", "age": 36, "status": "active", "address": {"city": "London", "zip": "12345"}, "tags": ["x"]}'
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]} | {
+    "additionalProperties": False
+}
+# Free text, in which a call opens at its trigger and then holds to its schema up to its end: xgrammar's format.
+CITY_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<function="],
+        "tags": [
+            {"begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": CITY}}
+            | {"end": "</function>"}
+        ],
+    },
+}
+
 # (grammar, a valid output, a prefix of it, a continuation of that prefix the grammar forbids)
 CASES: dict[str, tuple[Any, str, str, str]] = {
     "nested_json": (lambda c: c.json_schema(PERSON), ADA, '{"name": "Ada", "age": ', '"36"'),
@@ -126,6 +142,21 @@ CASES: dict[str, tuple[Any, str, str, str]] = {
     "choice": (lambda c: c.choice(["positive", "negative", 'it\'s "neutral"']), 'it\'s "neutral"', "", "maybe"),
     "lark": (lambda c: c.grammar(LARK), "(12+3)-(4-5)", "(12+", ")"),
     "ebnf": (lambda c: c.grammar('root ::= ("yes" | "no") "!"*'), "yes!!", "", "maybe"),
+    "structural_tag": (
+        lambda c: c.structural_tag(CITY_TAG),
+        'Let me look. <function=get_weather>{"city": "Paris"}</function> Done.',
+        'Sure: <function=get_weather>{"',
+        'town"',
+    ),
+    "structural_tag_structures": (
+        lambda c: c.structural_tag(
+            {"structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}]}
+            | {"triggers": ["<function="]}
+        ),
+        'Let me look. <function=get_weather>{"city": "Paris"}</function> Done.',
+        'Sure: <function=get_weather>{"',
+        'town"',
+    ),
 }
 
 
@@ -264,6 +295,7 @@ def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler: GrammarCompi
         (lambda c: c.choice([]), "non-empty"),
         (lambda c: c.tool_calls([]), "at least one tool"),
         (lambda c: c.function(TOOLS, "get_time"), "get_time"),
+        (lambda c: c.structural_tag({"type": "structural_tag", "format": {"type": "nope"}}), "nope"),
     ],
 )
 def test_invalid_grammars_raise_value_errors(compiler: GrammarCompiler, build: Any, needle: str) -> None:
@@ -466,3 +498,59 @@ def test_string_anchors_are_refused_because_the_grammar_engine_reads_them_as_let
     )
     with pytest.raises(BadRequest, match="string anchors"):
         req.check()
+
+
+def strict_request(**fields: Any) -> ChatCompletionRequest:
+    tools = [TOOLS[0] | {"function": TOOLS[0]["function"] | {"strict": True}}, TOOLS[1]]
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, **fields)
+
+
+def takes(grammar: Grammar, tokenizer: Tokenizer, text: str) -> bool:
+    state = GrammarState(grammar)
+    return all(state.accept(t) for t in ids(tokenizer, text))
+
+
+@pytest.mark.parametrize(
+    ("parser", "call"),
+    [
+        ("hermes", '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'),
+        ("hermes", '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'),
+        ("llama3_json", '{{"name": "{name}", "parameters": {args}}}'),
+    ],
+)
+def test_strict_tools_under_auto_hold_a_call_to_its_schema_once_it_opens(compiler, tokenizer, parser, call):
+    grammar = grammar_for(strict_request(), compiler, parser)
+    assert grammar is not None
+
+    def written(name: str, args: str, before: str = "Let me look. ") -> str:
+        return before + call.format(name=name, args=args)
+
+    good = '{"city": "Paris", "unit": "celsius"}'
+    assert takes(grammar, tokenizer, written("get_weather", good) + " Done.")
+    assert takes(grammar, tokenizer, "Just text, no call.")
+    assert not takes(grammar, tokenizer, written("get_weather", '{"city": "Paris"}'))  # "unit" is required
+    assert not takes(grammar, tokenizer, written("get_weather", '{"town": "Paris", "unit": "celsius"}'))
+    assert not takes(grammar, tokenizer, written("get_time", "{}"))  # no such tool
+    # A tool without `strict` keeps the call's shape, its arguments any JSON object.
+    assert takes(grammar, tokenizer, written("search", '{"anything": [1, 2]}'))
+    assert not takes(grammar, tokenizer, written("search", '"text"'))
+    one = grammar_for(strict_request(parallel_tool_calls=False), compiler, parser)
+    assert one is not None
+    assert takes(one, tokenizer, written("get_weather", good))
+    assert not takes(one, tokenizer, written("get_weather", good) + written("search", "{}", before=" "))
+
+
+@pytest.mark.parametrize(
+    ("parser", "fields"),
+    [
+        ("pythonic", {}),
+        ("", {}),
+        ("hermes", {"response_format": {"type": "json_object"}}),
+        ("hermes", {"structured_outputs": {"regex": "a+"}}),
+    ],
+)
+def test_strict_tools_under_auto_are_refused_by_name_where_they_cannot_be_held(compiler, parser, fields):
+    with pytest.raises(BadRequest) as e:
+        grammar_for(strict_request(**fields), compiler, parser)
+    assert e.value.param == "tools.0.function.strict"
+    grammar_for(strict_request(tool_choice="none", **fields), compiler, parser)  # no call to hold: no refusal

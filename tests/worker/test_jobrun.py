@@ -119,11 +119,15 @@ def test_legacy_echo_is_the_prompt_as_sent_and_top_logprobs_hold_the_sampled_tok
     run.start()
     c = run.choices[0]
     sampled, likelier = ids(decoder, " yes")[0], ids(decoder, " no")[0]
+    c.seq.prompt_logprobs = [TokenLogprob(-1.0, [(likelier, -0.5)], 2) for _ in c.seq.prompt_ids[1:]]
     c.seq.output_ids.append(sampled)
     run.on_output(c, Output(c.seq, sampled, Finish.length, TokenLogprob(-2.0, [(likelier, -0.5)])))
     [choice] = run.end()[1].result["choices"]
     assert choice["text"] == prompt + " yes"
-    assert choice["logprobs"]["top_logprobs"] == [{" yes": -2.0, " no": -0.5}]
+    # The prompt's tokens first, the first with nothing before it.
+    tops = choice["logprobs"]["top_logprobs"]
+    assert len(tops) == len(c.seq.prompt_ids) + 1 and tops[0] is None
+    assert tops[-1] == {" yes": -2.0, " no": -0.5}
 
 
 def run_text(decoder: Decoder, text: str, settings: Settings, **fields) -> tuple[list, dict]:
@@ -182,11 +186,8 @@ def test_reasoning_is_split_from_content_and_counted(decoder):
     assert effortless["choices"][0]["message"]["content"] == "Just an answer."
     # Nothing after the reasoning is no content at all, as vLLM's reasoning parsers answer it.
     _, unfinished = run_text(decoder, "Still thinking about it", settings)
-    assert unfinished["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": None,
-        "reasoning": "Still thinking about it",
-    }
+    message = unfinished["choices"][0]["message"]
+    assert (message["content"], message["reasoning"]) == (None, "Still thinking about it")
     _, closed = run_text(decoder, "<think>Nothing to add.</think>", settings)
     assert closed["choices"][0]["message"]["content"] is None
 
@@ -266,7 +267,33 @@ def test_hermes_calls_from_auto_tool_choice(decoder):
         if e.event is EventKind.chunk and e.data["choices"]
         for tc in e.data["choices"][0]["delta"].get("tool_calls", [])
     ]
-    assert [tc["index"] for tc in streamed] == [0] and streamed[0]["function"]["name"] == "get_weather"
+    assert {tc["index"] for tc in streamed} == {0} and streamed[0]["function"]["name"] == "get_weather"
+    assert "".join(tc["function"]["arguments"] for tc in streamed) == call["function"]["arguments"]
+
+
+AUTO_CALLS = {
+    "hermes": 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+    "pythonic": '[get_weather(city="Paris", days=3)]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(AUTO_CALLS))
+def test_auto_tool_calls_stream_token_by_token_as_the_whole_answer_has_them(decoder, parser):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = AUTO_CALLS[parser]
+    events, streamed = run_text(decoder, text, Settings(tool_parser=parser), tools=tools, stream=True)
+    _, whole = run_text(decoder, text, Settings(tool_parser=parser), tools=tools)
+    chunks = [e.data["choices"][0] for e in events if e.event is EventKind.chunk and e.data["choices"]]
+    entries = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    head, fragments = entries[0], entries[1:]
+    assert head["id"] == whole["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert head["type"] == "function" and head["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"} for f in fragments)
+    assert (
+        len(fragments) > 1 and "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris", "days": 3}'
+    )
+    assert streamed["choices"] == whole["choices"] and chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def feed_all(run: JobRun, token_ids: list[int], last_finish: Finish, logprobs: bool = False) -> tuple[list, dict]:
@@ -334,6 +361,8 @@ def _feed(run: JobRun, tokens: list[int], events: list, steps: list[int] | None 
     """Adds the events of `tokens` (the last one EOS), handed over one a step as the engine would, with made-up
     logprobs; the result. `steps` gets the number of events after each step that leaves the job running."""
     c = run.choices[0]
+    if c.seq.params.prompt_logprobs is not None:  # as the prefill before the first token makes them
+        c.seq.prompt_logprobs = [TokenLogprob(-1.0 - i, [(i + 3, -0.5)], 2) for i in range(len(c.seq.prompt_ids) - 1)]
     for t in tokens[len(c.seq.output_ids) :]:
         if c.seq.grammar is not None:
             c.seq.grammar.accept(t)
@@ -360,8 +389,18 @@ RESUMED = {
         '[{"name": "f", "parameters": {"city": "Paris"}}]',
         Settings(),
     ),
+    "hermes calls streamed under auto": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "stream": True},
+        'Sure. <tool_call>{"name": "f", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>',
+        Settings(tool_parser="hermes"),
+    ),
     "a JSON object held by the grammar": ({"response_format": {"type": "json_object"}}, '{"a": [1, 2]}', Settings()),
     "a legacy echo with text offsets": (None, " and then some 🙂 more", Settings()),
+    "token ids, and logprobs naming tokens by id": (
+        {"stream": True, "logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
+        "Un café 🙂 merci",
+        Settings(),
+    ),
 }
 
 
@@ -370,8 +409,9 @@ def test_a_job_resumed_from_any_point_of_its_log_continues_it_exactly(decoder, c
     fields, text, settings = RESUMED[case]
     settings = settings or Settings(reasoning_parser="qwen3")
     if fields is None:
-        request = CompletionRequest(prompt="Say", echo=True, logprobs=2, stream=True)
-        the_job = Job(id="cmpl-resumed", model="m", kind="text", request=request, prompt_ids=ids(decoder, "Say"))
+        request = CompletionRequest(prompt="Say it twice", echo=True, logprobs=2, stream=True)
+        prompt_ids = ids(decoder, "Say it twice")
+        the_job = Job(id="cmpl-resumed", model="m", kind="text", request=request, prompt_ids=prompt_ids)
     else:
         the_job = job(**fields)
     info = model_info(200, (2,))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from chatq.worker.sampler import Row, SamplingParams, _truncate, sample
+from chatq.worker.sampler import Row, SamplingParams, ThinkingBudget, _truncate, sample
 
 
 def pick(logits: list[float], output_ids: list[int] | None = None, prompt_ids: list[int] | None = None, **params):
@@ -119,6 +119,31 @@ def test_logprobs_come_from_the_raw_distribution():
     assert math.isclose(lps[0].top[0][1], float(raw[1]), rel_tol=1e-5)
 
 
+def test_allowed_token_ids_leave_only_those_ids():
+    assert pick(BASE, allowed_ids=(3, 6)) == 3
+    assert pick(BASE, allowed_ids=(6,), logit_bias={3: 100.0}) == 6
+
+
+def test_a_bad_words_last_token_is_blocked_only_after_its_prefix():
+    assert pick(BASE, bad_words=((1,),)) == 2  # one token: blocked everywhere
+    assert pick(BASE, bad_words=((4, 1),), output_ids=[4]) == 2
+    assert pick(BASE, bad_words=((4, 1),), output_ids=[3]) == 1
+    assert pick(BASE, bad_words=((3, 4, 1),), output_ids=[4]) == 1  # longer than the output so far
+    assert pick(BASE, bad_words=((3, 4, 1), (2,)), output_ids=[0, 3, 4]) == 7
+
+
+def test_logprob_token_ids_list_the_sampled_token_then_the_named_ones():
+    raw = torch.tensor(BASE).log_softmax(-1)
+    p = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, logprob_ids=(6, 1, 0, 6), bad_words=((1,),))
+    tokens, lps = sample(torch.tensor([BASE]), [Row(p, None, [], [])])
+    assert tokens == [2]
+    assert [t for t, _ in lps[0].top] == [2, 6, 1, 0]
+    # Taken before the filters, as vLLM takes them: the blocked token keeps its logprob.
+    assert [v for _, v in lps[0].top] == pytest.approx([float(raw[t]) for t in (2, 6, 1, 0)], rel=1e-5)
+    p.logprob_ids = (2, 7)
+    assert [t for t, _ in sample(torch.tensor([BASE]), [Row(p, None, [], [])])[1][0].top] == [2, 7]
+
+
 def test_penalties_follow_a_sequence_step_by_step():
     # The engine keeps one Row history per sequence and appends to its output between steps: each new token must
     # count from the next step on, as if the history were rebuilt from the whole context.
@@ -159,3 +184,54 @@ def test_a_row_at_top_p_1_keeps_its_whole_tail_beside_a_row_that_truncates():
     kept = _truncate(logits.clone(), rows).isfinite()
     assert kept[0].all()
     assert kept[1].sum() < 4
+
+
+THINK = ThinkingBudget(3, start=(6, 7), end=(4, 5))  # 6 7 opens a thought, 4 5 closes it
+
+
+def think(prompt: list[int], steps: int, budget: ThinkingBudget = THINK, temperature: float = 0.0, **extra):
+    """The tokens a row of BASE's logits (whose likeliest is 1) takes step by step under a thinking budget, with
+    its logprobs; a fresh row each step from some point on, as a job continued on another worker starts one."""
+    p = SamplingParams(max_tokens=50, temperature=temperature, thinking=budget, logprobs=0, **extra)
+    out: list[int] = []
+    generator = None if p.seed is None else torch.Generator().manual_seed(p.seed)
+    row = Row(p, generator, prompt, out)
+    lps = []
+    for step in range(steps):
+        if step == steps // 2:
+            row = Row(p, generator, prompt, out)  # its history lost, as in a continued job: looked up again
+        [token], [lp] = sample(torch.tensor([BASE]), [row])
+        out.append(token)
+        lps.append(lp.logprob)
+    return out, lps
+
+
+def test_a_thinking_budget_forces_the_end_once_the_thought_has_its_tokens():
+    # Opened in the prompt: three tokens of thought, then the end marker's tokens, then free again.
+    out, lps = think([0, 6, 7], 8)
+    assert out == [1, 1, 1, 4, 5, 1, 1, 1]
+    # A forced token's logprob is the model's, as vLLM reports its raw logprobs.
+    assert lps[3] == pytest.approx(torch.tensor(BASE).log_softmax(0)[4].item())
+    # A prompt token after the start marker counts against the budget; a budget of 0 ends the thought at once.
+    assert think([6, 7, 3], 6)[0] == [1, 1, 4, 5, 1, 1]
+    assert think([6, 7], 4, ThinkingBudget(0, (6, 7), (4, 5)))[0] == [4, 5, 1, 1]
+    # No thought open: nothing is forced, and a thought closed in the prompt stays closed.
+    assert think([0], 6)[0] == [1] * 6
+    assert think([6, 7, 1, 4, 5], 6)[0] == [1] * 6
+
+
+def test_a_thought_the_model_opens_itself_gets_the_budget_and_a_later_one_gets_it_again():
+    p = SamplingParams(max_tokens=50, temperature=0.0, thinking=THINK)
+    out = [0, 6, 7]  # written by the model
+    for _ in range(6):
+        out.append(sample(torch.tensor([BASE]), [Row(p, None, [0], out)])[0][0])
+    assert out[3:] == [1, 1, 1, 4, 5, 1]
+    # Only the last thought counts: one closed earlier in the prompt leaves the budget whole for the next.
+    assert think([6, 7, 1, 4, 5, 0, 6, 7, 1], 5)[0] == [1, 1, 4, 5, 1]
+
+
+def test_sampled_rows_are_forced_alike_and_a_seeded_one_repeats():
+    out, _ = think([0, 6, 7], 8, temperature=1.0)
+    assert out[3:5] == [4, 5] and 6 not in out[:3]
+    seeded = [think([0, 6, 7], 10, temperature=1.0, seed=5)[0] for _ in range(2)]
+    assert seeded[0] == seeded[1]

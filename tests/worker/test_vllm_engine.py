@@ -176,3 +176,17 @@ def test_speculative_decoding_gives_the_same_tokens_several_a_step_one_output_ea
         per_step.append(len(outputs))
         assert all(o.token is not None for o in outputs)
     assert seq.output_ids == plain.output_ids and max(per_step) > 1
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_over_the_prompt(engine):
+    seq = greedy("s/0", 2, prompt_logprobs=2)
+    run(engine, seq)
+    model = AutoModelForCausalLM.from_pretrained(SETTINGS.model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lp = model(torch.tensor([PROMPT])).logits[0, :-1].float().log_softmax(dim=-1)
+    assert len(seq.prompt_logprobs) == len(PROMPT) - 1
+    for p, entry in enumerate(seq.prompt_logprobs):
+        token = PROMPT[p + 1]
+        assert entry.logprob == pytest.approx(float(lp[p, token]), abs=1e-4)
+        assert entry.rank == int((lp[p] >= lp[p, token]).sum())
+        assert [t for t, _ in entry.top] == lp[p].topk(2).indices.tolist()

@@ -6,8 +6,7 @@ import json
 import uuid
 from typing import Any
 
-from chatq.core.delta import Delta, ToolCallDelta
-from chatq.worker.parse import Parser
+from chatq.core.delta import ToolCallDelta
 
 
 def new_call_id() -> str:
@@ -70,36 +69,3 @@ def call_from_json(obj: Any, index: int, tool_names: set[str] | None, *, args_re
     if arguments is None:
         return None
     return ToolCallDelta(index=index, id=new_call_id(), name=name, arguments=arguments)
-
-
-class WholeOutputCalls(Parser):
-    """Formats where the whole output is the calls: text that cannot start a call streams as content at once;
-    text that can is held until finish(), since only the whole text tells calls from content that looks alike.
-    Subclasses say what may start a call and how to read the calls."""
-
-    def __init__(self, tool_names: set[str] | None = None):
-        self.tool_names = tool_names
-        self.buf = ""
-        self.is_content = False  # decided: not calls, stream it
-
-    def could_be_call(self, text: str) -> bool:
-        raise NotImplementedError
-
-    def parse(self, text: str) -> list[ToolCallDelta] | None:
-        raise NotImplementedError
-
-    def feed(self, text: str) -> Delta:
-        if self.is_content:
-            return Delta(content=text)
-        self.buf += text
-        if self.could_be_call(self.buf):
-            return Delta()
-        text, self.buf, self.is_content = self.buf, "", True
-        return Delta(content=text)
-
-    def finish(self) -> Delta:
-        text, self.buf = self.buf, ""
-        if self.is_content:
-            return Delta()
-        calls = self.parse(text)
-        return Delta(tool_calls=calls) if calls else Delta(content=text)

@@ -1,16 +1,17 @@
 """Tool calls forced by tool_choice: the grammar fixes the output's shape, so parsing is direct.
 
 Named: the whole output is that function's arguments, streamed as argument fragments behind one id and name.
-Required: the output is a JSON array of {"name", "parameters"} objects, read once it ends.
+Required: the output is a JSON array of {"name", "parameters"} objects; each call streams once its name is written
+and its parameters have begun, its arguments as canonical fragments.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from chatq.core.delta import Delta, ToolCallDelta
 from chatq.worker.parse import Parser
+from chatq.worker.parse.calls import CallReader
 from chatq.worker.parse.common import call_from_json, new_call_id
 
 
@@ -20,44 +21,82 @@ class NamedToolParser(Parser):
         self.started = False
 
     def feed(self, text: str) -> Delta:
+        out = Delta()
         if not self.started:
             self.started = True
-            return Delta(tool_calls=[ToolCallDelta(0, new_call_id(), self.name, text)])
-        return Delta(tool_calls=[ToolCallDelta(0, arguments=text)]) if text else Delta()
+            out.tool_calls.append(ToolCallDelta(0, new_call_id(), self.name))
+        if text:
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
 
     def finish(self) -> Delta:
         return Delta() if self.started else self.feed("")
 
 
 class RequiredToolParser(Parser):
+    """A generation cut short (max_tokens) ends the array early: the call it was writing stays as far as it was
+    written; one whose name was not complete is not sent. With no call sent, the text is all there is, as content."""
+
     def __init__(self) -> None:
         self.text = ""
+        self.mode = "head"  # head, item, call, after, end
+        self.call: CallReader | None = None
+        self.segment = ""
+        self.announced = False
+        self.index = 0  # index of the next call
 
     def feed(self, text: str) -> Delta:
         self.text += text
-        return Delta()
+        out = Delta()
+        while text and self.mode != "end":
+            if self.mode == "call":
+                text = self._read(text, out)
+                continue
+            c, text = text[0], text[1:]
+            if c.isspace():
+                continue
+            if self.mode == "head" and c == "[":
+                self.mode = "item"
+            elif self.mode == "item" and c == "{":
+                self.mode, self.call, self.segment, self.announced = "call", CallReader(), "", False
+                text = c + text
+            elif self.mode == "after" and c == ",":
+                self.mode = "item"
+            else:
+                self.mode = "end"  # "]", or no array of calls
+        return out
 
     def finish(self) -> Delta:
-        calls = [call_from_json(item, i, None, args_required=True) for i, item in enumerate(_complete_items(self.text))]
-        # A generation cut short (max_tokens) ends the array early: its complete calls are kept, the one it was
-        # writing dropped. With none complete, the text is all there is, as content.
-        if not calls or None in calls:
-            return Delta(content=self.text)
-        return Delta(tool_calls=[c for c in calls if c is not None])
+        out = Delta()
+        if self.mode == "call" and self.announced:
+            self.index += 1
+        self.mode = "end"
+        return out if self.index else Delta(content=self.text)
 
+    def _read(self, text: str, out: Delta) -> str:
+        call = self.call
+        assert call is not None
+        n = call.feed(text)
+        self.segment += text[:n]
+        if not self.announced and call.name and call.streams:
+            self.announced = True
+            out.tool_calls.append(ToolCallDelta(self.index, new_call_id(), call.name))
+        if self.announced:
+            fragment = call.take_arguments()
+            if fragment:
+                out.tool_calls.append(ToolCallDelta(self.index, arguments=fragment))
+        if call.failed:
+            self.mode = "end"
+        elif call.closed:
+            self._end_call(out)
+        return text[n:]
 
-def _complete_items(text: str) -> list[Any]:
-    """The items of a JSON array that were written whole, up to where `text` ends (the grammar's compact layout)."""
-    decoder = json.JSONDecoder()
-    items: list[Any] = []
-    at = text.find("[") + 1
-    if not at or text[:at].strip() != "[":
-        return []
-    while True:
-        while at < len(text) and text[at] in " \n\t\r,":
-            at += 1
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):
-            return items
-        items.append(item)
+    def _end_call(self, out: Delta) -> None:
+        if not self.announced:
+            whole = call_from_json(json.loads(self.segment), self.index, None, args_required=True)
+            if whole is None:
+                self.mode = "end"
+                return
+            out.tool_calls.append(whole)
+        self.index += 1
+        self.mode = "after"

@@ -6,6 +6,9 @@ from chatq.core.delta import Delta
 from chatq.worker.parse import Parser
 from chatq.worker.parse.common import partial_tag_len
 
+# The markers of a thought, for both parsers (deepseek_r1 and qwen3), as vLLM's parsers of those names write them.
+THINK_START, THINK_END = "<think>", "</think>"
+
 
 class ReasoningParser(Parser):
     """Text before the end tag is reasoning; text after it goes through `inner`.
@@ -15,7 +18,7 @@ class ReasoningParser(Parser):
     everything goes straight to `inner`.
     """
 
-    def __init__(self, inner: Parser, *, thinking_enabled: bool = True, start: str = "<think>", end: str = "</think>"):
+    def __init__(self, inner: Parser, *, thinking_enabled: bool = True, start: str = THINK_START, end: str = THINK_END):
         self.inner = inner
         self.start, self.end = start, end
         # "start": may still see the start tag; "reasoning": inside the thought; "content": after it.

@@ -22,6 +22,7 @@ def test_named_call_streams_its_arguments(args):
         deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
         firsts = [c for d in deltas for c in d.tool_calls if c.id is not None]
         assert len(firsts) == 1 and firsts[0].name == "get_weather" and firsts[0].id.startswith("chatcmpl-tool-")
+        assert firsts[0].arguments == "" and deltas[0].tool_calls[0] is firsts[0]
         content, _, calls = collect(NamedToolParser("get_weather"), pieces)
         assert calls[0]["function"] == {"name": "get_weather", "arguments": args}
         assert content is None
@@ -43,12 +44,28 @@ def test_unfinished_required_array_stays_content():
     assert calls == [] and content == '[{"name": "a", "param'
 
 
-def test_a_required_array_cut_short_keeps_its_complete_calls():
+def test_a_required_array_cut_short_keeps_the_call_it_was_writing_as_far_as_it_went():
     text = '[{"name": "a", "parameters": {"x": [1, 2]}}, {"name": "b", "parameters": {"q": "of'
     for pieces in chunkings(text):
         content, _, calls = collect(RequiredToolParser(), pieces)
         assert content is None
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("a", '{"x": [1, 2]}')]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("a", '{"x": [1, 2]}'),
+            ("b", '{"q": "of'),
+        ]
+    content, _, calls = collect(RequiredToolParser(), [text[: text.index('"b"') + 2]])
+    assert content is None and [c["function"]["name"] for c in calls] == ["a"]
+
+
+def test_required_calls_stream_name_first_then_arguments():
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    parser = RequiredToolParser()
+    deltas = [parser.feed(c) for c in text]
+    entries = [(text[: i + 1], c) for i, d in enumerate(deltas) for c in d.tool_calls]
+    heads = [(seen[-15:], c.index, c.name, c.arguments) for seen, c in entries if c.id is not None]
+    assert heads == [('"parameters": {', 0, "a", ""), ('"parameters": {', 1, "b", "")]
+    assert [c.arguments for _, c in entries if c.id is None and c.index == 0] == ["{", '"', "x", '"', ": ", "1}"]
+    assert not parser.finish()
 
 
 @pytest.mark.parametrize("text", ["[1]", '[{"name": "a"}]', '[{"name": 3, "parameters": {}}]', "{}"])

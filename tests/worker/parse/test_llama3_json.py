@@ -23,12 +23,24 @@ CASES = [
         None,
         [("f", {"s": "日本 é", "n": [1, 2.5, None]})],
     ),
-    # JSON that is not (only) calls is content.
+    # JSON that is not calls is content.
     ('{"answer": 42}', '{"answer": 42}', []),
     ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
-    (WEATHER + " is how I would call it", WEATHER + " is how I would call it", []),
-    (WEATHER + " " + TIME, WEATHER + " " + TIME, []),
-    ('{"name": "f", "parameters": {', '{"name": "f", "parameters": {', []),
+    ('{"name": "f", "parameters": "x"}', '{"name": "f", "parameters": "x"}', []),
+    # Output that stops being calls is content from there on.
+    (WEATHER + " is how I would call it", " is how I would call it", [("get_weather", {"city": "Paris"})]),
+    (WEATHER + " " + TIME, " " + TIME, [("get_weather", {"city": "Paris"})]),
+    (WEATHER + '; {"answer": 42}', '; {"answer": 42}', [("get_weather", {"city": "Paris"})]),
+    # A call whose arguments had begun streams: cut short or gone wrong, they stay as far as they were written.
+    ('{"name": "f", "parameters": {', None, [("f", "{")]),
+    ('{"name": "f", "parameters": {"a": tru', None, [("f", '{"a": ')]),
+    (
+        WEATHER + '; {"name": "f", "parameters": {"a": ]} and more',
+        None,
+        [("get_weather", {"city": "Paris"}), ("f", '{"a": ')],
+    ),
+    # Arguments as a JSON string: read whole.
+    ('{"name": "f", "parameters": "{\\"a\\": 1}"}', None, [("f", {"a": 1})]),
     ('[{"name": "f", "parameters": {}}]', '[{"name": "f", "parameters": {}}]', []),
     ("Call " + WEATHER, "Call " + WEATHER, []),
     ("<|python_stuff|>", "<|python_stuff|>", []),
@@ -49,3 +61,13 @@ def test_plain_text_streams_at_once():
     parser = Llama3JsonParser()
     assert parser.feed("Hel").content == "Hel"
     assert parser.feed("lo").content == "lo"
+
+
+def test_a_call_streams_once_it_is_sure():
+    parser = Llama3JsonParser({"get_weather"})
+    deltas = [parser.feed(c) for c in WEATHER]
+    head_at = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert WEATHER[: head_at + 1].endswith('"parameters": {')
+    assert not any(d.content for d in deltas)
+    fragments = [c.arguments for d in deltas for c in d.tool_calls]
+    assert len(fragments) > 5 and "".join(fragments) == '{"city": "Paris"}'
