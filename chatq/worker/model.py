@@ -16,9 +16,9 @@ from chatq.worker.device import bind
 
 log = logging.getLogger(__name__)
 
-# The sampling the default model's card recommends (its example generates with these), which its GGUF does not carry:
-# without it, requests that leave them out sample at temperature 1 and a model this small rambles.
-CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# The sampling the default model's card recommends (its example generates with these), which its GGUF does not carry,
+# and a repetition penalty: without them a model this small rambles or loops (docs/api.md#sampling-defaults).
+SHIPPED_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
 
 
 def shipped_gguf() -> Path:
@@ -41,18 +41,20 @@ def ensure_model_dir(settings: Settings) -> Path:
         return target
     if not (target / "config.json").exists():
         convert_gguf(shipped_gguf(), target)
-    ship_card_sampling(target)  # also into a directory converted before it was part of the conversion
+    ship_sampling(target)  # also into a directory converted before it was
     return target
 
 
-def ship_card_sampling(target: Path) -> None:
-    """Writes the model card's sampling into the converted model's generation_config.json, unless it holds them."""
+def ship_sampling(target: Path) -> None:
+    """Writes the shipped sampling into the converted model's generation_config.json, unless it holds it or sampling
+    of its operator's own."""
     path = target / "generation_config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-    if all(k in config for k in CARD_SAMPLING):
-        return
+    present = {k: config[k] for k in SHIPPED_SAMPLING if k in config}
+    if present == SHIPPED_SAMPLING or any(v != SHIPPED_SAMPLING[k] for k, v in present.items()):
+        return  # shipped already, or an operator's own choice
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({**config, **CARD_SAMPLING, "do_sample": True}, indent=2) + "\n")
+    tmp.write_text(json.dumps({**config, **SHIPPED_SAMPLING, "do_sample": True}, indent=2) + "\n")
     os.replace(tmp, path)  # whole, for a worker or the API reading it meanwhile
 
 
@@ -74,7 +76,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             del config.quantization_config
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        ship_card_sampling(tmp)
+        ship_sampling(tmp)
         tokenizer.save_pretrained(tmp)
         from safetensors.torch import save_file
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chatq.worker.model import CARD_SAMPLING, convert_gguf, ship_card_sampling, shipped_gguf
+from chatq.worker.model import SHIPPED_SAMPLING, convert_gguf, ship_sampling, shipped_gguf
 
 
 def test_a_worker_whose_conversion_another_finished_first_starts_with_that_one(
@@ -30,12 +30,15 @@ def test_a_worker_whose_conversion_another_finished_first_starts_with_that_one(
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # its own copy removed, nothing half-written left
 
 
-def test_the_default_models_directory_gets_its_cards_sampling_once_and_keeps_the_rest(tmp_path: Path) -> None:
+def test_the_default_models_directory_gets_the_shipped_sampling_once_and_keeps_the_rest(tmp_path: Path) -> None:
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    ship_card_sampling(tmp_path)  # a directory converted before the card's sampling was part of the conversion
-    assert json.loads(path.read_text()) == {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, **CARD_SAMPLING}
+    ship_sampling(tmp_path)  # a directory converted before the shipped sampling was
+    assert json.loads(path.read_text()) == {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, **SHIPPED_SAMPLING}
+    path.write_text(json.dumps({"temperature": 0.2, "top_p": 0.9}))  # shipped before the repetition penalty was
+    ship_sampling(tmp_path)
+    assert json.loads(path.read_text()) == {"do_sample": True, **SHIPPED_SAMPLING}
     path.write_text(json.dumps({"temperature": 0.7, "top_p": 0.8}))  # an operator's own choice stays
-    ship_card_sampling(tmp_path)
+    ship_sampling(tmp_path)
     assert json.loads(path.read_text()) == {"temperature": 0.7, "top_p": 0.8}
     assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]
