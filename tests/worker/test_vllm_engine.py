@@ -20,10 +20,15 @@ from chatq.core.settings import Settings  # noqa: E402
 from chatq.worker.build import vllm_args  # noqa: E402
 from chatq.worker.engine import Finish, Output, Sequence  # noqa: E402
 from chatq.worker.grammar import Grammar, GrammarCompiler  # noqa: E402
-from chatq.worker.sampler import SamplingParams  # noqa: E402
+from chatq.worker.sampler import SamplingParams, ThinkingBudget  # noqa: E402
 from chatq.worker.vllm_engine import VllmEngine, token_logprob  # noqa: E402
 
-SETTINGS = Settings(kv_cache_tokens=16384, worker_concurrency=8, vllm_args={"enforce_eager": True})
+# The default model has no single-token thought markers, which vLLM's reasoning parsers need: a reasoning config names
+# them, for thinking budgets.
+MARKERS = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+SETTINGS = Settings(
+    kv_cache_tokens=16384, worker_concurrency=8, vllm_args={"enforce_eager": True, "reasoning_config": MARKERS}
+)
 MODEL = ModelInfo.read(SETTINGS.model_name, SETTINGS.model_dir)
 EOS = frozenset(MODEL.eos_token_ids)
 CHAT = (
@@ -190,3 +195,38 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_the_prompt(engine):
         assert entry.logprob == pytest.approx(float(lp[p, token]), abs=1e-4)
         assert entry.rank == int((lp[p] >= lp[p, token]).sum())
         assert [t for t, _ in entry.top] == lp[p].topk(2).indices.tolist()
+
+
+def test_named_logprob_ids_are_reported_at_each_place_beside_the_sampled_one(engine):
+    named = (PROMPT[1], PROMPT[2], 0)
+    plain, seq = greedy("n/0", 4, logprobs=3), greedy("n/1", 4, logprobs=3, logprob_ids=named)
+    outputs = run(engine, plain, seq)
+    assert seq.output_ids == plain.output_ids
+    for got, full in zip(outputs["n/1"], outputs["n/0"], strict=True):
+        assert got.logprob is not None and full.logprob is not None
+        # As chatq's sampler lists them: the sampled token, then the named ones.
+        assert [t for t, _ in got.logprob.top] == [got.token, *named]
+        assert got.logprob.logprob == pytest.approx(full.logprob.logprob, abs=1e-4)
+
+
+def test_allowed_ids_and_bad_words_hold_the_answer_as_chatqs_sampler_does(engine):
+    free = greedy("f/0", 6)
+    run(engine, free)
+    allowed = (free.output_ids[1], free.output_ids[2], PROMPT[4])
+    held = greedy("f/1", 6, allowed_ids=allowed)
+    banned = greedy("f/2", 6, bad_words=((free.output_ids[0],),))
+    run(engine, held, banned)
+    assert set(held.output_ids) <= set(allowed) and len(held.output_ids) == 6
+    assert free.output_ids[0] not in banned.output_ids
+
+
+def test_a_thinking_budget_ends_an_open_thought_with_the_end_marker(engine):
+    """The budget reaches vLLM, which forces the end marker two tokens past it (vLLM 0.32's engine lets a thought of
+    budget b run to b + 2 tokens; chatq's engine ends it at b)."""
+    start, end = (tuple(MODEL.tokenizer.encode(tag, add_special_tokens=False).ids) for tag in ("<think>", "</think>"))
+    prompt = PROMPT + list(start)
+    free = greedy("t/0", 10, prompt=prompt)
+    budgeted = greedy("t/1", 10, prompt=prompt, thinking=ThinkingBudget(3, start, end))
+    run(engine, free, budgeted)
+    assert tuple(free.output_ids[5:8]) != end
+    assert budgeted.output_ids[:5] == free.output_ids[:5] and tuple(budgeted.output_ids[5:8]) == end
