@@ -164,6 +164,33 @@ def test_a_scored_batch_whose_worker_is_killed_gives_the_same_answer(cluster, ht
     cluster.wait_live(cluster.start_worker())
 
 
+def test_a_filtered_job_whose_worker_is_killed_continues_with_the_same_filters(cluster, http):
+    """bad_words, named logprob ids and token ids hold across the takeover: the continued job answers as one that ran
+    whole."""
+    fields = {
+        "bad_words": [" sea", " keeper"],
+        "logprobs": True,
+        "logprob_token_ids": [13, 198],
+        "return_token_ids": True,
+    }
+    resp = http.post("/v1/chat/completions", json=body(80, **fields))
+    assert resp.status_code == 200, resp.text
+    whole = resp.json()["choices"][0]
+    assert " sea" not in whole["message"]["content"] and " keeper" not in whole["message"]["content"]
+    fs, killed = stream_signalling(cluster, http, body(80, stream=True, **fields), 20, signal.SIGKILL)
+    assert_whole(fs)
+    assert text_of(fs) == whole["message"]["content"]
+    streamed = [c for f in fs if f.data[0] == "{" for c in f.json.get("choices", [])]
+    assert [t for c in streamed for t in c.get("token_ids") or []] == whole["token_ids"]
+    named = [
+        [e["token"] for e in t["top_logprobs"]] for c in streamed if c.get("logprobs") for t in c["logprobs"]["content"]
+    ]
+    assert named == [[e["token"] for e in t["top_logprobs"]] for t in whole["logprobs"]["content"]]
+    job_id = fs[0].json["id"]
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    cluster.wait_live(cluster.start_worker())
+
+
 def background(http: httpx.Client, max_tokens: int, **fields) -> str:
     resp = http.post("/v1/chat/completions", json=body(max_tokens, background=True, **fields))
     assert resp.status_code == 202, resp.text
