@@ -100,6 +100,11 @@ def alive(pid: int | str) -> bool:
         return False
 
 
+# The stacks' greedy answers are the model's own, without the repetition penalty the default model ships
+# (tests/worker/test_model.py and tests/api/test_chat.py test that one).
+UNPENALISED = {"repetition_penalty": 1.0}
+
+
 def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ) | dict(extra or {})
     env.update(
@@ -112,6 +117,7 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
         CHATQ_LOG_FORMAT=settings.log_format,
         CHATQ_WORKER_METRICS_PORT=str(settings.worker_metrics_port),
+        CHATQ_OVERRIDE_GENERATION_CONFIG=json.dumps(settings.override_generation_config or UNPENALISED),
         PYTHONUNBUFFERED="1",
     )
     env.update(webhook_env(settings))

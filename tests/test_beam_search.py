@@ -39,6 +39,7 @@ def transformers_texts(model, renderer, ids, width, new, **kw) -> tuple[list[str
             num_beams=width,
             num_return_sequences=width,
             do_sample=False,
+            repetition_penalty=1.0,  # plain beam search, whatever the model's generation config holds
             max_new_tokens=new,
             eos_token_id=eos,
             pad_token_id=-1,

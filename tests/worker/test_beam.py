@@ -38,6 +38,7 @@ def transformers_beams(model, prompt, width, new, length_penalty=1.0, early_stop
             length_penalty=length_penalty,
             early_stopping=early_stopping,
             do_sample=False,
+            repetition_penalty=1.0,  # plain beam search, whatever the model's generation config holds
             max_new_tokens=new,
             eos_token_id=sorted(EOS),
             pad_token_id=-1,
