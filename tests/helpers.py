@@ -198,7 +198,11 @@ def running_api(settings: Settings, logs: Path, env: Mapping[str, str] | None = 
             yield base
         finally:
             proc.terminate()
-            proc.wait(timeout=20)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:

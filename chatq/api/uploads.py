@@ -198,5 +198,8 @@ class Upload:
         if form.purpose == "batch" and not self.filename.lower().endswith(".jsonl"):
             raise BadRequest("A batch input file must be a .jsonl file (JSON Lines): one request a line.", "file")
         await self._flush()
+        # A lease that ran out may have had its bytes swept meanwhile: refused here, and lengthened otherwise, so
+        # that no sweep takes them while they are committed and recorded.
+        await self.touch()
         await asyncio.to_thread(self.writer.commit)
         return Received(form, self.filename, self.size, self.lines)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,6 +270,11 @@ def test_the_sdk_gets_openais_error_for_a_bad_upload(api: FilesAPI) -> None:
     assert api.state() == before
 
 
+def leases(api: FilesAPI, before: tuple[set[str], set[str], list[Any]]) -> set[str]:
+    """The ids the due set holds that it did not hold `before`: uploads under way."""
+    return set(api.r.zrange(keys.files_due(), 0, -1)) - {member for member, _ in before[2]}
+
+
 def test_an_upload_whose_client_goes_away_stores_nothing(api: FilesAPI) -> None:
     before = api.state()
     head, _ = multipart(("purpose", None, b"user_data"), ("file", "a.bin", b""))
@@ -280,7 +287,7 @@ def test_an_upload_whose_client_goes_away_stores_nothing(api: FilesAPI) -> None:
             + start
             + os.urandom(3 * 1024 * 1024)
         )
-        eventually(lambda: api.r.zcard(keys.files_due()) > len(before[2]))  # the upload under way holds a lease
+        eventually(lambda: leases(api, before))  # the upload under way holds a lease
     eventually(lambda: api.state() == before)
 
 
@@ -313,3 +320,45 @@ def test_the_sweep_deletes_what_a_process_that_died_left(api: FilesAPI, tmp_path
         api.r.zadd(keys.files_due(), {file_id: due})
     eventually(lambda: not {api.name("file-crashedupload"), api.name("file-crasheddelete")} & api.stored())
     eventually(lambda: api.r.zscore(keys.files_due(), "file-crasheddelete") is None)
+
+
+def test_an_upload_whose_lease_ran_out_is_a_408_and_stores_nothing(api: FilesAPI) -> None:
+    before = api.state()
+    body, headers = multipart(("purpose", None, b"user_data"), ("file", "a.bin", os.urandom(2 * 1024 * 1024)))
+    resume = threading.Event()
+
+    def halves() -> Iterator[bytes]:
+        yield body[: len(body) // 2]
+        resume.wait(30)
+        yield body[len(body) // 2 :]
+
+    with api.http() as http, ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(http.post, "/v1/files", content=halves(), headers=headers)
+        eventually(lambda: leases(api, before))
+        (file_id,) = leases(api, before)
+        api.r.zadd(keys.files_due(), {file_id: time.time() - 1})  # as after 10 minutes without a byte
+        resume.set()
+        assert_error(sent.result(timeout=30), 408, "RequestTimeoutError", None)
+    eventually(lambda: api.state() == before)
+
+
+FILE_ROUTES = [
+    ("POST", "/v1/files"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/files/file-x"),
+    ("GET", "/v1/files/file-x/content"),
+    ("DELETE", "/v1/files/file-x"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), FILE_ROUTES)
+def test_every_files_route_needs_a_key_and_an_upload_without_one_stores_nothing(
+    api: FilesAPI, method: str, path: str
+) -> None:
+    before = api.state()
+    body, headers = multipart(("purpose", None, b"user_data"), ("file", "a.txt", b"not read"))
+    with httpx.Client(base_url=api.base) as http:
+        for auth in ({}, {"Authorization": "Bearer wrong-key"}):
+            sent = http.request(method, path, content=body if method == "POST" else None, headers=headers | auth)
+            assert_error(sent, 401, "AuthenticationError", None)
+    assert api.state() == before
