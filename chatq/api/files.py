@@ -103,14 +103,14 @@ class Files:
         await asyncio.to_thread(self.store.delete, file_id)
         await files.settled(self.redis, file_id)
 
-    async def get(self, file_id: str, owner: str, param: str = "file_id") -> FileRecord:
+    async def get(self, file_id: str, owner: str) -> FileRecord:
         """The file's record, if `owner` may see it: another owner's file, and one expired, are not found."""
         if FILE_ID.fullmatch(file_id) is None:
-            raise FileNotFound(file_id, param)
+            raise FileNotFound(file_id)
         h: dict[str, str] = await self.redis.hgetall(keys.file(file_id))  # type: ignore[assignment,misc]
         record = _readable(h)
         if record is None or not hmac.compare_digest(record.owner, owner) or record.expired(time.time()):
-            raise FileNotFound(file_id, param)
+            raise FileNotFound(file_id)
         return record
 
     async def open(self, file_id: str, owner: str) -> tuple[FileRecord, Readable]:
