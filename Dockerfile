@@ -17,6 +17,8 @@ RUN mkdir chatq && touch chatq/__init__.py && pip install .
 FROM api-deps AS api
 COPY chatq chatq
 RUN pip install --no-deps --force-reinstall .
+# The file store's directory, a volume in docker-compose.yml: made here so that a new volume takes its owner.
+RUN mkdir /files && chown chatq:chatq /files
 # Reached through the container's own address, not its loopback.
 ENV CHATQ_API_HOST=0.0.0.0
 USER chatq
@@ -44,7 +46,8 @@ COPY chatq chatq
 RUN pip install --no-deps --force-reinstall .
 # The converted model lives in /cache, a volume in docker-compose.yml: made here so that a new volume takes its
 # owner, the user the worker runs as, and the model is converted once, by the first worker, not in every image.
-RUN mkdir /cache && chown chatq:chatq /cache
+# So is /files, the file store the API and the workers share.
+RUN mkdir /cache /files && chown chatq:chatq /cache /files
 # The CPU kernels are built once per kind of CPU, into the volume too.
 ENV CHATQ_CACHE_DIR=/cache TORCH_EXTENSIONS_DIR=/cache/torch-extensions
 USER chatq
@@ -64,7 +67,7 @@ RUN mkdir chatq && touch chatq/__init__.py && pip install $VLLM ".[worker]" && p
 FROM worker-vllm-deps AS worker-vllm
 COPY chatq chatq
 RUN pip install --no-deps --force-reinstall .
-RUN mkdir /cache && chown chatq:chatq /cache
+RUN mkdir /cache /files && chown chatq:chatq /cache /files
 ENV CHATQ_CACHE_DIR=/cache CHATQ_ENGINE=vllm
 USER chatq
 CMD ["chatq", "worker"]

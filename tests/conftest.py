@@ -15,7 +15,7 @@ from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import running_stack
+from tests.helpers import S3Server, running_stack, s3_server
 
 # Triton decides when it is first imported whether its kernels compile for a GPU or run in its interpreter; on a
 # machine without one, the interpreter lets the tests run the CUDA kernels on the CPU.
@@ -31,15 +31,23 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 
 
 @pytest.fixture(scope="session")
-def settings(redis_server: EmbeddedRedis) -> Settings:
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's S3-compatible server, for the S3 file store."""
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def settings(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # Keep-alives four times a second: the streaming tests then read streams with keep-alives among their events.
-    # The worker serves its metrics (tests/worker/test_metrics.py).
+    # The worker serves its metrics (tests/worker/test_metrics.py). Files go to a directory of the session's own.
     return Settings(
         redis_url=redis_server.url,
         api_port=free_port(),
         worker_concurrency=32,
         sse_keepalive=0.25,
         worker_metrics_port=free_port(),
+        files_dir=tmp_path_factory.mktemp("files"),
     )
 
 

@@ -29,6 +29,7 @@ from chatq.core.model_info import ModelInfo
 from chatq.core.queue import make_celery
 from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
+from chatq.embedded_redis import free_port
 from chatq.worker.parse import JoinedDeltas, Parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,8 +121,22 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_OVERRIDE_GENERATION_CONFIG=json.dumps(settings.override_generation_config or UNPENALISED),
         PYTHONUNBUFFERED="1",
     )
-    env.update(webhook_env(settings))
+    env.update(webhook_env(settings), **files_env(settings))
     return env
+
+
+def files_env(settings: Settings) -> dict[str, str]:
+    """The file store's settings as variables: every API and worker must reach the same store."""
+    return {
+        "CHATQ_FILES_DIR": str(settings.files_path),
+        "CHATQ_FILES_S3_BUCKET": settings.files_s3_bucket,
+        "CHATQ_FILES_S3_ENDPOINT_URL": settings.files_s3_endpoint_url,
+        "CHATQ_FILES_S3_PREFIX": settings.files_s3_prefix,
+        "CHATQ_FILES_MAX_BYTES": str(settings.files_max_bytes),
+        "CHATQ_FILES_MAX_BATCH_BYTES": str(settings.files_max_batch_bytes),
+        "CHATQ_FILES_MIN_EXPIRY": str(settings.files_min_expiry),
+        "CHATQ_FILES_SWEEP_INTERVAL": str(settings.files_sweep_interval),
+    }
 
 
 def webhook_env(settings: Settings) -> dict[str, str]:
@@ -174,6 +189,86 @@ def running_stack(settings: Settings, logs: Path, env: Mapping[str, str] | None 
             except subprocess.TimeoutExpired:
                 p.kill()
             out.close()
+
+
+@contextlib.contextmanager
+def running_api(settings: Settings, logs: Path, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """The API alone, for the routes that need no worker (files); its base URL once it answers."""
+    base = f"http://{settings.api_host}:{settings.api_port}"
+    with open(logs / "api.log", "wb") as out:
+        proc = subprocess.Popen(
+            api_command(settings), env=_env(settings, env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_until_up(f"{base}/version", proc, logs / "api.log")
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if proc.poll() is not None or time.time() > deadline:
+            sys.stderr.write(log.read_text(errors="replace")[-3000:])
+            raise RuntimeError(f"{url} did not answer")
+        time.sleep(0.2)
+
+
+# What boto3 reads in the tests' processes: moto's server takes any credentials.
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class S3Server:
+    """moto's standalone S3-compatible server, over HTTP on a port of its own."""
+
+    endpoint: str
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+            region_name=AWS_ENV["AWS_DEFAULT_REGION"],
+        )
+
+    def new_bucket(self) -> str:
+        name = f"chatq-{time.time_ns()}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def names(self, bucket: str) -> set[str]:
+        """The keys the bucket holds, unfinished multipart uploads' included."""
+        client = self.client()
+        objects = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+        uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        return {o["Key"] for o in objects} | {f"{u['Key']} (unfinished)" for u in uploads}
+
+
+@contextlib.contextmanager
+def s3_server(logs: Path) -> Iterator[S3Server]:
+    port = free_port()
+    with open(logs / "moto.log", "wb") as out:
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_until_up(f"http://127.0.0.1:{port}/moto-api/", proc, logs / "moto.log")
+            yield S3Server(f"http://127.0.0.1:{port}")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
 
 class Cluster:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,13 +16,14 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import errors, metrics, responses
+from chatq.api import errors, files, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.routes import PLAYGROUND, Service, open_router, router
 from chatq.core import gc_tuning, logs, telemetry
+from chatq.core.filestore import file_store
 from chatq.core.queue import make_celery
 from chatq.core.redis_url import async_client
 from chatq.core.settings import Settings
@@ -46,12 +49,17 @@ def create_app(settings: Settings) -> FastAPI:
     store = JobStore(client, make_celery(settings), settings)
     service = Service(settings, client, store, Relay(client, settings.redis_url), Models(client, settings))
     api_keys = Keys(settings)
+    stored = files.Files(client, file_store(settings), settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         api_keys.warn_if_open()
         gc_tuning.settle()
+        sweeper = asyncio.create_task(stored.sweeping())
         yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         await client.aclose()
         telemetry.shutdown()
         gc.unfreeze()
@@ -59,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="chatq", lifespan=lifespan)
     app.state.service = service
     app.state.keys = api_keys
+    app.state.files = stored
     # The app's own registry, not the global one: each app counts its own requests (tests build several).
     app.state.metrics_registry = registry = CollectorRegistry()
     app.add_middleware(metrics.HTTPMetrics, requests=metrics.http_counter(registry))
@@ -69,6 +78,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
     app.include_router(router)
     app.include_router(responses.router)
+    app.include_router(files.router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.

@@ -54,6 +54,12 @@ class ResponseNotFound(NotFound):
         super().__init__(f"No response found with id '{response_id}'.", param)
 
 
+class FileNotFound(NotFound):
+    def __init__(self, file_id: str, param: str = "file_id"):
+        shown = file_id if len(file_id) <= 200 else file_id[:200] + "..."
+        super().__init__(f"No such File object: {shown}", param)
+
+
 class JobGone(NotFound):
     """A stream whose job was deleted or expired while it was open or before it resumed."""
 
@@ -90,6 +96,15 @@ class QueueFull(ChatqError):
             f"Too many requests are waiting for model `{model}`; retry later.",
             headers={"Retry-After": str(retry_after)},
         )
+
+
+class UploadLapsed(ChatqError):
+    """An upload that stalled past its lease: the sweep deleted what it had stored, so nothing of it is kept."""
+
+    status, type = 408, "RequestTimeoutError"
+
+    def __init__(self, lease: int) -> None:
+        super().__init__(f"The upload stalled for more than {lease} seconds and was dropped; send it again.")
 
 
 class Conflict(ChatqError):

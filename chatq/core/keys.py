@@ -70,6 +70,21 @@ def owner_jobs(owner: str) -> str:
     return f"{PREFIX}:owner:{owner}:jobs"
 
 
+def file(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
+
+
+def owner_files(owner: str) -> str:
+    """The ids of an owner's files, for GET /v1/files."""
+    return f"{PREFIX}:owner:{owner}:files"
+
+
+def files_due() -> str:
+    """Files whose bytes are to leave the store, each at its score: those that expire, those deleted, and uploads not
+    yet recorded, at the end of their lease."""
+    return f"{PREFIX}:files:due"
+
+
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
@@ -141,6 +156,19 @@ LAYOUT = (
         (owner_jobs("{owner}"),),
         "zset",
         "that owner's newest 1000 job ids, scored by submit time: `GET /v1/chat/completions`",
+    ),
+    Entry(
+        (file("{id}"),),
+        "hash",
+        "a file's record (`chatq/core/files.py`): `id`, `owner`, `bytes`, `lines`, `created_at`, `filename`, "
+        "`purpose`, `expires_at`; its bytes are in the file store ([files](batches.md#files))",
+    ),
+    Entry((owner_files("{owner}"),), "zset", "that owner's file ids, scored by upload time: `GET /v1/files`"),
+    Entry(
+        (files_due(),),
+        "zset",
+        "file ids whose bytes are to be deleted from the store at their score: an expiry, `0` for a file deleted or "
+        "being reaped, an unfinished upload's lease; the API's sweep deletes them",
     ),
     Entry(
         (metrics("{model}"),),

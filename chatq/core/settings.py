@@ -148,6 +148,24 @@ class Settings(BaseSettings):
     # Deliveries the webhook worker (`chatq webhooks`) makes at once.
     webhook_concurrency: Positive = 16
 
+    # Files (/v1/files, docs/batches.md#files). Every API and worker must reach the same store: a directory they
+    # share, or an S3 bucket. Unset: `{cache_dir}/files`, which a single machine's processes share.
+    files_dir: Path | None = None
+    # An S3-compatible bucket to keep the files in instead of the directory (credentials and region from the standard
+    # AWS variables); empty: the directory.
+    files_s3_bucket: str = ""
+    # The S3 endpoint for a store other than AWS's (MinIO, Ceph, R2, ...); empty: AWS's own for the region.
+    files_s3_endpoint_url: str = ""
+    # Prepended to every object's name in the bucket, so that chatq can share one with other users of it.
+    files_s3_prefix: str = ""
+    # Bytes of an upload of any purpose past which it is refused, and of a `batch` upload.
+    files_max_bytes: Positive = 512 * 1024 * 1024
+    files_max_batch_bytes: Positive = 200 * 1024 * 1024
+    # The shortest `expires_after.seconds` an upload may ask for (OpenAI's 3600).
+    files_min_expiry: Positive = 3600
+    # Seconds between an API's sweeps for expired files, whose bytes each sweep deletes from the store.
+    files_sweep_interval: Annotated[float, Field(gt=0)] = 60.0
+
     @field_validator("flower_auth")
     @classmethod
     def _user_and_password(cls, auth: SecretStr) -> SecretStr:
@@ -191,10 +209,21 @@ class Settings(BaseSettings):
             return self.redis_wait_replicas
         return 1 if sentinel_url(self.redis_url) else 0
 
-    @field_validator("cache_dir")
+    @field_validator("files_dir", mode="before")
     @classmethod
-    def _expand_home(cls, path: Path) -> Path:
-        return path.expanduser()  # `~` in an environment variable reaches here unexpanded when quoted
+    def _empty_is_unset(cls, path: Any) -> Any:
+        return None if path == "" else path  # an empty CHATQ_FILES_DIR= would otherwise be the working directory
+
+    @field_validator("cache_dir", "files_dir")
+    @classmethod
+    def _expand_home(cls, path: Path | None) -> Path | None:
+        # `~` in an environment variable reaches here unexpanded when quoted.
+        return None if path is None else path.expanduser()
+
+    @property
+    def files_path(self) -> Path:
+        """The directory the files are kept in, when no bucket is set."""
+        return self.files_dir or self.cache_dir / "files"
 
     @property
     def model_dir(self) -> Path:

@@ -77,3 +77,10 @@ def test_every_setting_is_documented_with_its_default():
 def test_the_deploying_guide_names_every_setting():
     guide = (ROOT / "docs" / "deploying.md").read_text()
     assert [n for n in Settings.model_fields if f"`CHATQ_{n.upper()}`" not in guide] == []
+
+
+def test_the_files_directory_is_the_caches_unless_set(monkeypatch):
+    monkeypatch.setenv("CHATQ_FILES_DIR", "")  # empty, as a compose file's unset ${VAR} gives it: not the working dir
+    assert Settings(cache_dir="/data/chatq").files_path == Path("/data/chatq/files")
+    monkeypatch.setenv("CHATQ_FILES_DIR", "~/uploads")
+    assert Settings().files_path == Path.home() / "uploads"
