@@ -18,11 +18,27 @@ from chatq.cli import api_command
 from chatq.core import keys
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import ROOT, Cluster, Frame, content_of, frames, model_info, stream, vllm_venv, wait_for
+from tests.helpers import (
+    ROOT,
+    UNPENALISED,
+    Cluster,
+    Frame,
+    content_of,
+    frames,
+    model_info,
+    stream,
+    vllm_venv,
+    wait_for,
+)
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
 # Eager steps: a CPU worker then starts in seconds, not after a minute of compiling.
-VLLM_WORKER = {"CHATQ_ENGINE": "vllm", "CHATQ_KV_CACHE_TOKENS": "16384", "CHATQ_VLLM_ARGS": '{"enforce_eager": true}'}
+VLLM_WORKER = {
+    "CHATQ_ENGINE": "vllm",
+    "CHATQ_KV_CACHE_TOKENS": "16384",
+    "CHATQ_VLLM_ARGS": '{"enforce_eager": true}',
+    "CHATQ_OVERRIDE_GENERATION_CONFIG": json.dumps(UNPENALISED),  # as the native stack it is compared with
+}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "keeper": {"type": "boolean"}},
