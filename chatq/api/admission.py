@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer, bad_words_ids
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from chatq.core.requests import GenerationRequest
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
 from chatq.core import keys, logs, scripts, telemetry
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import cancelled_while_queued
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
 from chatq.core.webhooks import WebhookMessages

@@ -27,6 +27,8 @@ from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
 from chatq.core import registry, telemetry
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import (
     BadRequest,
     ClientDisconnected,
@@ -36,8 +38,8 @@ from chatq.core.errors import (
     ServiceUnavailable,
 )
 from chatq.core.job import Event, Job, JobStatus
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from chatq.core.settings import Settings
+from chatq.core.tokenize_request import DetokenizeRequest, TokenizeRequest
 
 MAX_SEQ = 2**63 - 1  # event numbers are the second part of Redis stream ids
 CANCEL_WAIT = 5.0  # seconds a cancel waits for a running job to stop

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.delta import Delta
 from chatq.core.job import Job
-from chatq.core.requests import ChatCompletionRequest
 
 SYSTEM_FINGERPRINT = "chatq"
 

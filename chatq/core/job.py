@@ -12,7 +12,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 
 
 class JobStatus(StrEnum):

@@ -18,9 +18,10 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from chatq.core.chat_request import ChatCompletionRequest, Message
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
-from chatq.core.requests import MAX_BAD_WORDS, ChatCompletionRequest, Message
+from chatq.core.requests import MAX_BAD_WORDS
 
 
 @dataclass(frozen=True)

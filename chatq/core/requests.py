@@ -1,76 +1,22 @@
-"""The HTTP request bodies: chat completions, legacy completions, tokenize and detokenize."""
+"""What chat and legacy completion requests share: the generation fields, their limits and checks, and the fields
+refused by name (chatq.core.chat_request and chatq.core.completion_request add each endpoint's own)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
-import orjson
 from annotated_types import Interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatq.core.errors import BadRequest
+from chatq.core.formats import ResponseFormat, StructuredOutputs, check_structural_tag, json_text
 from chatq.core.sampling import GREEDY_BELOW, OPENAI_DEFAULTS, effective
 from chatq.core.schemas import check_regex, check_schema, size_problem
 
 
 def _nullable(annotation: Any) -> bool:
     return annotation is None or type(None) in get_args(annotation)
-
-
-# Content part type -> the key holding its text.
-_TEXT_PARTS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    # Any role: one besides the five reaches the chat template as given, as vLLM passes it.
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    reasoning: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _rename_reasoning_content(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "reasoning_content" in data and "reasoning" not in data:
-            data = dict(data)
-            data["reasoning"] = data.pop("reasoning_content")
-        return data
-
-    def text(self) -> str | None:
-        """Content as one string: text parts are joined, a line apart; other part types are refused."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content
-        return "\n".join(self.texts())  # as vLLM joins them for a template that takes content as one string
-
-    def texts(self) -> list[str]:
-        """Content as its text parts; other part types are refused."""
-        if self.content is None:
-            return []
-        if isinstance(self.content, str):
-            return [self.content]
-        texts = []
-        for part in self.content:
-            kind = part.get("type")
-            # The part types vLLM reads as text: the Responses API's input and output text, an earlier assistant
-            # turn's refusal and thinking.
-            key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
-            if key is None:
-                raise BadRequest(f"Content part type {kind!r} is not supported", "messages")
-            if not isinstance(part.get(key), str):
-                raise BadRequest(f"A {kind} content part needs its `{key}` as a string.", "messages")
-            texts.append(part[key])
-        return texts
 
 
 class StreamOptions(BaseModel):
@@ -128,65 +74,6 @@ MAX_N = 128
 MAX_MESSAGES = 4096
 MAX_TOOLS = 1024
 MAX_STOP = 4
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str  # required, as OpenAI and vLLM have it
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class StructuralTagItem(BaseModel):
-    """One of a structural tag's older `structures`: text from `begin` to `end`, a JSON value of `schema` between."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    begin: str
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    end: str
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaFormat | None = None
-    # structural_tag: xgrammar's `format`, as vLLM takes it, or the older `structures` and `triggers`.
-    format: dict[str, Any] | None = None
-    structures: list[StructuralTagItem] | None = None
-    triggers: list[str] | None = None
-
-    def structural_tag(self) -> dict[str, Any]:
-        """The structural tag as xgrammar takes it (vLLM's payload): the format, or the structures and triggers."""
-        return self.model_dump(by_alias=True, exclude_none=True, exclude={"json_schema"})
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's constraint kinds; exactly one may be given."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: str | None = None  # a JSON text, as vLLM takes it: what response_format structural_tag holds
-
-    # vLLM's other options here (json_object, disable_any_whitespace, whitespace_pattern, ...) are not honoured: one
-    # that asks for something (not null or false) is refused in check(), rather than dropped.
-    model_config = ConfigDict(populate_by_name=True, extra="allow")
-
-    def kinds(self) -> list[str]:
-        return [
-            k
-            for k, v in (
-                ("json", self.json_),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-                ("structural_tag", self.structural_tag),
-            )
-            if v is not None
-        ]
 
 
 class RepetitionDetection(BaseModel):
@@ -582,9 +469,9 @@ class GenerationRequest(BaseModel):
             if so.grammar is not None and not so.grammar.strip():
                 raise BadRequest("structured_outputs.grammar must not be empty.", "structured_outputs")
             if so.structural_tag is not None:
-                check_structural_tag(_json_text(so.structural_tag, "structural_tag"), "structured_outputs")
+                check_structural_tag(json_text(so.structural_tag, "structural_tag"), "structured_outputs")
             if isinstance(so.json_, str):
-                check_schema(_json_text(so.json_, "json"), "structured_outputs")
+                check_schema(json_text(so.json_, "json"), "structured_outputs")
             elif so.json_ is not None:
                 check_schema(so.json_, "structured_outputs")
 
@@ -620,265 +507,3 @@ class GenerationRequest(BaseModel):
     def bias(self) -> dict[int, float]:
         """logit_bias with integer keys and values clamped to [-100, 100], as OpenAI does."""
         return {int(k): max(-100.0, min(100.0, v)) for k, v in (self.logit_bias or {}).items()}
-
-
-def _json_text(text: str, name: str) -> Any:
-    """A structured_outputs field given as JSON text, read strictly, as request bodies are: no NaN or Infinity
-    (1e400), which xgrammar cannot take."""
-    try:
-        return orjson.loads(text)
-    except ValueError as e:
-        raise BadRequest(f"structured_outputs.{name} is not valid JSON: {e}", "structured_outputs") from e
-
-
-def check_structural_tag(tag: Any, param: str) -> None:
-    """What the API can check of a structural tag without xgrammar: its shape, and every JSON schema in it. What
-    only xgrammar reads (a format's kinds) fails the job with a 400 when its grammar is compiled."""
-    invalid = f"Invalid {param} structural_tag specification"
-    if not isinstance(tag, dict):
-        raise BadRequest(f"{invalid}: it must be a JSON object.", param)
-    if "structures" in tag:  # the older form
-        try:
-            ResponseFormat.model_validate({"type": "structural_tag", **tag})
-        except ValueError as e:
-            raise BadRequest(f"{invalid}: {e}", param) from e
-        if not isinstance(tag.get("triggers"), list) or not tag["triggers"]:
-            raise BadRequest(f"{invalid}: `structures` need `triggers`.", param)
-        for item in tag["structures"]:
-            if not any(item["begin"].startswith(t) for t in tag["triggers"]):
-                raise BadRequest(f"{invalid}: the begin {item['begin']!r} starts with no trigger.", param)
-            check_schema(item.get("schema") or {}, param)
-        return
-    if not isinstance(tag.get("format"), dict):
-        raise BadRequest(f"{invalid}: it needs a `format` object (or the older `structures` and `triggers`).", param)
-    for schema in _schemas_in(tag["format"]):
-        check_schema(schema, param)
-
-
-def _schemas_in(node: Any) -> Iterator[dict[str, Any]]:
-    """The JSON schemas of a structural tag's format: those of its `json_schema` parts, however deep."""
-    if isinstance(node, list):
-        for item in node:
-            yield from _schemas_in(item)
-    elif isinstance(node, dict):
-        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
-            yield node["json_schema"]
-        for value in node.values():
-            yield from _schemas_in(value)
-
-
-class Function(BaseModel):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
-
-    @field_validator("parameters", mode="before")
-    @classmethod
-    def _no_parameters(cls, v: Any) -> Any:
-        # null, as vLLM reads it: a function that takes no parameters.
-        return {"type": "object", "properties": {}} if v is None else v
-
-
-class Tool(BaseModel):
-    type: Literal["function"] = "function"
-    function: Function
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: dict[str, str]
-
-
-class ChatCompletionRequest(GenerationRequest):
-    messages: list[Message] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = bounded(None, token_limit("max_completion_tokens"))
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    include_reasoning: bool = True
-    # Whether the tokenizer adds its own special tokens (a BOS) around the rendered prompt: off, as in vLLM, since
-    # chat templates write them.
-    add_special_tokens: bool = False
-    # vLLM's set; the value itself only reaches the chat template.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    documents: list[dict[str, Any]] | None = None  # for the chat template, as vLLM passes them
-    # The request's own chat template, taken only where CHATQ_TRUST_REQUEST_CHAT_TEMPLATE allows it.
-    chat_template: str | None = None
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    @property
-    def thinking(self) -> bool:
-        """Whether the model is asked to think: `chat_template_kwargs.enable_thinking` if given, else off only for
-        `reasoning_effort: "none"` (vLLM hands the template that choice as `enable_thinking`)."""
-        kwargs = self.chat_template_kwargs or {}
-        if "enable_thinking" in kwargs:
-            return kwargs["enable_thinking"] is not False
-        return self.reasoning_effort != "none"
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def num_prompt_logprobs(self) -> int | None:
-        """How many alternatives per prompt token to report, or None for no prompt logprobs: vLLM makes them for an
-        echo too, `top_logprobs` of them."""
-        if self.prompt_logprobs is None and self.echo:
-            return self.top_logprobs or 0
-        return self.prompt_logprobs
-
-    @property
-    def logprobs_needed(self) -> str:
-        return "`logprobs` must be set to true"
-
-    def check(self) -> None:
-        super().check()
-        if len(self.messages) > MAX_MESSAGES:
-            raise BadRequest(f"`messages` may hold at most {MAX_MESSAGES} messages.", "messages")
-        if len(self.tools or []) > MAX_TOOLS:
-            raise BadRequest(f"`tools` may hold at most {MAX_TOOLS} tools.", "tools")
-        if self.top_logprobs is not None:
-            # vLLM's rule: 0 (its default) asks for nothing, so it needs no logprobs.
-            if self.top_logprobs != 0 and not self.logprobs:
-                raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise BadRequest(
-                    f"`top_logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "top_logprobs"
-                )
-        self._check_tools()
-        if self.use_beam_search and (self.forced_tool or self.tool_choice == "required"):
-            raise BadRequest("A named or `required` `tool_choice` is not supported with beam search.", "tool_choice")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise BadRequest(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise BadRequest(
-                "`continue_final_message` needs the last message to be an assistant message.", "continue_final_message"
-            )
-        for m in self.messages:
-            m.text()
-
-    def _check_tools(self) -> None:
-        if self.tools is not None and not self.tools:
-            raise BadRequest("`tools` must not be an empty list; leave it out instead.", "tools")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.get("name")
-            if name not in {t.function.name for t in self.tools or []}:
-                raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
-        if self.structured_outputs is not None and isinstance(self.tool_choice, NamedToolChoice):
-            raise BadRequest(
-                "`structured_outputs` cannot be combined with a named `tool_choice`.", "structured_outputs"
-            )
-        forced = self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
-        for i, tool in enumerate(self.tools or []):
-            # Only `required` and a named tool constrain parameters with a grammar; under `auto`, an unenforceable
-            # schema is the model's and the client's business, as in vLLM.
-            constrains = self.tool_choice == "required" or tool.function.name == forced
-            check_schema(tool.function.parameters, f"tools.{i}.function.parameters", constrains)
-
-    @property
-    def forced_tool(self) -> str | None:
-        """The function a named tool_choice forces, if any."""
-        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
-
-    @property
-    def response_role(self) -> str:
-        # vLLM answers in the last message's role when no generation prompt opens an assistant turn.
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
-
-
-def chat_range(name: str) -> Range:
-    """The range of a chat request's field."""
-    allowed = ChatCompletionRequest.model_fields[name].json_schema_extra
-    assert isinstance(allowed, Range), name
-    return allowed
-
-
-class CompletionRequest(GenerationRequest):
-    """The legacy /v1/completions body: a prompt instead of messages."""
-
-    # One prompt (text or token ids), or a batch of them: each gets its `n` choices, indexed in order.
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens unless told otherwise
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        # A batch of one is that prompt (LangChain's OpenAI LLM always sends a list).
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            return v[0]
-        return v
-
-    @property
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts, in order: one, or each of a batch."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return list(p)  # type: ignore[arg-type]
-        return [p]  # type: ignore[list-item]
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def num_prompt_logprobs(self) -> int | None:
-        """vLLM makes them for an echo with logprobs too, `logprobs` of them: the echoed prompt's entries."""
-        if self.prompt_logprobs is None and self.echo:
-            return self.logprobs
-        return self.prompt_logprobs
-
-    @property
-    def scores_only(self) -> bool:
-        # vLLM's way to score a prompt: its echo, and no generated token shown.
-        return self.echo and self.max_tokens == 0
-
-    def check(self) -> None:
-        super().check()
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"`logprobs` must be a value in the interval [0, {MAX_TOP_LOGPROBS}].", "logprobs")
-        prompts = self.prompts
-        if len(prompts) > MAX_PROMPTS:
-            raise BadRequest(
-                f"prompt list length {len(prompts)} exceeds the maximum allowed count of {MAX_PROMPTS}.", "prompt"
-            )
-        if len(prompts) * self.n > MAX_PROMPTS:
-            # A job's choices all wait in one worker's queue, ahead of later jobs (as MAX_N bounds them).
-            raise BadRequest(f"A batch may ask for at most {MAX_PROMPTS} choices in all (prompts times n).", "n")
-        if any(not p for p in prompts):
-            raise BadRequest("The prompt must not be empty.", "prompt")
-
-
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None  # by default, as the completion would be: on for a prompt, off for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    # What the chat template sees besides the messages, so the count is the completion's prompt_tokens.
-    tools: list[Tool] | None = None
-    documents: list[dict[str, Any]] | None = None
-    chat_template: str | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]

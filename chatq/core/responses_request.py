@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from chatq.core.chat_request import ChatCompletionRequest, NamedToolChoice, chat_range
 from chatq.core.errors import BadRequest
-from chatq.core.requests import ChatCompletionRequest, NamedToolChoice, chat_range
 from chatq.core.response_object import ECHO_DEFAULTS, id_suffix
 
 # What `include` may name that a chatq Response never holds (the outputs of built-in tools, images): nothing to add.

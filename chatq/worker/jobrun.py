@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatq.core import chunks, logs, sampling
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import TokenInfo
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import bad_words_ids
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.beam import BeamGroup, BeamSearch
 from chatq.worker.detokenize import Decoder, TextStream

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import orjson
 from tokenizers import Tokenizer
 
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.grammar import CALL_TAGS, Grammar, GrammarCompiler, GrammarError
 from chatq.worker.parse import ContentParser, Parser

@@ -7,7 +7,7 @@ import uuid
 
 import openai
 
-from chatq.core.requests import ChatCompletionRequest
+from chatq.core.chat_request import ChatCompletionRequest
 from tests.helpers import stream, wait_for
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

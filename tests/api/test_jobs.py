@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 
 from chatq.api.jobs import JobStore
 from chatq.core import keys
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Job, JobStatus
 from chatq.core.queue import celery_priority, make_celery, task_message
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from tests.helpers import cancel_job, content_of, frames, stream, wait_for
 

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from chatq.core import keys
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
-from chatq.core.requests import ChatCompletionRequest
 from tests.api.conftest import KEY_A, Guarded
 from tests.helpers import wait_for
 

@@ -13,8 +13,8 @@ import redis
 from openai.types.responses import Response, ResponseItemList
 
 from chatq.core import keys
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Job, JobStatus
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.responses_request import ResponsesRequest
 from tests.api.conftest import KEY_A, KEY_B, Guarded
 from tests.helpers import stream

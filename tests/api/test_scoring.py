@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.render import Renderer
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.model import load_model
 from tests.helpers import assert_error, stream, wait_for

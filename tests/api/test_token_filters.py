@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.render import Renderer, bad_words_ids
-from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.engine import repeats
 from tests.helpers import assert_error, stream, wait_for
 

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import Renderer
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 
 TEMPLATE = (

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -6,8 +6,8 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from chatq.core import telemetry
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Job
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.telemetry import TraceIds
 
 TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

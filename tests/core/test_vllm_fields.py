@@ -6,7 +6,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from chatq.core.requests import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
+from chatq.core.requests import UNSUPPORTED_FIELDS
 from tests.helpers import ROOT, vllm_venv
 
 FIELDS = Path(__file__).with_name("vllm_request_fields.json")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.render import Renderer
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.beam import BeamGroup, BeamSearch
 from chatq.worker.engine import Engine, Finish, Sequence

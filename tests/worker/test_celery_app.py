@@ -11,9 +11,9 @@ import redis
 
 from bench.zero_engine import ZeroEngine
 from chatq.core import keys
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Job
 from chatq.core.registry import entry, read_entry
-from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.celery_app import WorkerState, beat
 from chatq.worker.publish import Publisher
 from chatq.worker.runner import Runner

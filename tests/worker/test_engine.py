@@ -7,8 +7,8 @@ import inspect
 import pytest
 import torch
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.render import Renderer
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker import attention, sampler
 from chatq.worker.engine import Engine, Finish, Sequence, repeats

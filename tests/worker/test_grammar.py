@@ -14,8 +14,8 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.grammar import Grammar, GrammarCompiler, GrammarError, GrammarState, apply_masks, tool_calls_schema
 from chatq.worker.plan import grammar_for

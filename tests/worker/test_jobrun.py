@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.job import EventKind, Job, JobStatus
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.detokenize import Decoder
 from chatq.worker.engine import Finish, Output

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest
 from chatq.core.model_info import sampling_defaults
-from chatq.core.requests import ChatCompletionRequest
 from chatq.core.settings import Settings
 from chatq.worker.grammar import GrammarError
 from chatq.worker.plan import grammar_for, sampling_params, thinking_budget

@@ -11,9 +11,9 @@ import redis
 
 from chatq.api.jobs import JobStore
 from chatq.core import keys, metrics, scripts
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import make_celery, task_fields, task_message
-from chatq.core.requests import ChatCompletionRequest
 from chatq.worker.publish import Publisher, StepWrites
 from chatq.worker.reclaim import hand_back, sweep
 
