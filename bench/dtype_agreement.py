@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import table  # noqa: E402
 from bench.stack import PROMPTS  # noqa: E402
+from chatq.core.chat_request import ChatCompletionRequest  # noqa: E402
 from chatq.core.model_info import ModelInfo  # noqa: E402
 from chatq.core.render import Renderer  # noqa: E402
-from chatq.core.chat_request import ChatCompletionRequest  # noqa: E402
 from chatq.core.settings import Settings  # noqa: E402
 from chatq.worker.engine import Engine, Sequence  # noqa: E402
 from chatq.worker.model import ensure_model_dir, load_model  # noqa: E402

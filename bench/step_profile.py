@@ -53,9 +53,9 @@ from torch import nn  # noqa: E402
 
 from bench.common import table  # noqa: E402
 from chatq.core import keys  # noqa: E402
+from chatq.core.chat_request import ChatCompletionRequest  # noqa: E402
 from chatq.core.job import Job  # noqa: E402
 from chatq.core.model_info import ModelInfo  # noqa: E402
-from chatq.core.chat_request import ChatCompletionRequest  # noqa: E402
 from chatq.core.settings import Settings  # noqa: E402
 from chatq.embedded_redis import EmbeddedRedis  # noqa: E402
 from chatq.worker import attention, dense  # noqa: E402
