@@ -18,7 +18,8 @@ from celery import Celery
 from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
-from chatq.core import keys, logs, scripts, telemetry
+from chatq.core import api_scripts, keys, logs, telemetry
+from chatq.core.api_scripts import Listing, Outcome
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import cancelled_while_queued
 from chatq.core.completion_request import CompletionRequest
@@ -26,7 +27,6 @@ from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import celery_priority, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
-from chatq.core.scripts import Listing, Outcome
 from chatq.core.settings import Settings
 from chatq.core.webhooks import WebhookMessages
 
@@ -153,14 +153,14 @@ class JobStore:
         score: float,
         idem: str | None,
         listing: Listing,
-    ) -> scripts.Submitted:
-        """scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
+    ) -> api_scripts.Submitted:
+        """api_scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
         that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
         args = (job_id, model, fields, queue, message, score, self.settings.max_queued, idem, listing)
         if (wait := self.replicas.command()) is None:
-            return await scripts.submit(self.redis, *args)
+            return await api_scripts.submit(self.redis, *args)
         async with self.redis.client() as pinned:
-            done = await scripts.submit(pinned, *args)
+            done = await api_scripts.submit(pinned, *args)
             self.replicas.acknowledged(await pinned.execute_command(*wait))
         return done
 
@@ -190,7 +190,7 @@ class JobStore:
         return h
 
     async def cancel(self, job_id: str, delete: bool = False, owner: str | None = None) -> None:
-        """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.scripts.cancel). Only
+        """Cancels the job if it has not ended; `delete` also removes it (see chatq.core.api_scripts.cancel). Only
         `owner`'s job is cancelled (None: any)."""
         h = await self._visible(job_id, owner) if owner is not None else await self._record_of(job_id)
         # What a queued job's stream closes with, should the job still be queued when the script runs; after the
@@ -205,7 +205,7 @@ class JobStore:
         # Sent only if the script finds the job queued (a running one's worker sends its own at its end); built
         # whatever the status read above, which a reclaim may have turned back to queued since.
         webhook = self.webhooks.block(job_id) if self.webhooks is not None and not delete else ""
-        if await scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events, webhook) is None:
+        if await api_scripts.cancel(self.redis, job_id, self.settings.result_ttl, delete, events, webhook) is None:
             raise JobNotFound(job_id)
 
     def cancel_soon(self, job_id: str) -> None:

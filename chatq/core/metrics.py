@@ -1,7 +1,7 @@
 """The per-request metrics every API replica reports alike: what a finished job adds to its model's Redis hash
 (keys.metrics), and how that hash reads back as Prometheus histograms and counters.
 
-The worker that ends a job adds its facts in the job's last write (scripts.update_record), so a background job no
+The worker that ends a job adds its facts in the job's last write (worker_scripts.update_record), so a background job no
 API request waits on counts as much as a streamed one, and every replica reads the same numbers. Histograms are kept
 as one counter per bucket (not cumulative), plus their sum and count; names and buckets follow vLLM's.
 """

@@ -115,7 +115,7 @@ def redis_envelope(msg: Any, queue: str, priority: int, *, base64_body: bool) ->
 
 def task_fields(queue: str, message: str, now: float) -> dict[str, str]:
     """What a queued job's record says of its task message, so a message lost on its way to a worker (one popped by
-    a worker that died before taking it) is found missing and sent again (chatq.core.scripts.redeliver)."""
+    a worker that died before taking it) is found missing and sent again (chatq.core.reclaim_scripts.redeliver)."""
     properties = orjson.loads(message)["properties"]
     return {
         "task_queue": queue,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import gc_tuning, keys, logs, registry, scripts, telemetry
+from chatq.core import gc_tuning, keys, logs, registry, telemetry, worker_scripts
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import GENERATE_TASK, make_celery
@@ -210,7 +210,7 @@ def generate(self, job_id: str) -> str:
     assert _state is not None, "worker_init did not run"
     properties = self.request.properties or {}
     lane, delivery = properties.get("priority") or 0, properties.get("delivery_tag") or ""
-    record = scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane, delivery)
+    record = worker_scripts.claim(_state.redis, job_id, settings.model_name, _state.name, lane, delivery)
     if not record:  # cancelled while queued, expired, or already held by another worker
         return "skipped"
     with attempt(record, settings.model_name) as spans:

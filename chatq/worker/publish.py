@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import redis
 
-from chatq.core import keys, scripts
+from chatq.core import keys, worker_scripts
 from chatq.core.job import Event, JobStatus
 from chatq.core.redis_url import sync_client
 from chatq.core.replicas import ReplicaWait
@@ -78,7 +78,7 @@ class Publisher:
         if writes.events:
             # One script call for the step's events, whatever their number.
             # No MAXLEN: a job's log is bounded by its tokens and expires with it.
-            scripts.publish_events(pipe, self.worker, writes.events)
+            worker_scripts.publish_events(pipe, self.worker, writes.events)
         for job_id, tokens in writes.progress.items():
             self._update(pipe, job_id, {"completion_tokens": tokens}, last=False)
         now = str(time.time())
@@ -128,7 +128,7 @@ class Publisher:
         metrics: dict | None = None,
         webhook: str = "",
     ) -> None:
-        scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics, webhook)
+        worker_scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics, webhook)
 
     def _note_refused(self, reply: list) -> set[str]:
         """Logs the event logs newly found unwritable; the ids of the jobs this worker lost."""

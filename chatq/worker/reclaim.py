@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 
-from chatq.core import keys, logs, scripts, telemetry
+from chatq.core import keys, logs, reclaim_scripts, telemetry
 from chatq.core.errors import WorkerLost
 from chatq.core.queue import task_message
 from chatq.core.settings import Settings
@@ -19,12 +19,12 @@ from chatq.core.webhooks import WebhookMessages
 log = logging.getLogger(__name__)
 
 
-def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Settings) -> scripts.Requeue:
+def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Settings) -> reclaim_scripts.Requeue:
     queue, message = task_message(app, job_id, keys.celery_queue(settings.model_name), lane)
     # Where it arrived in its lane, as its task goes to the end workers take from next: it has waited once already.
     score = lane * 1e11 + created
     error = WorkerLost(settings.max_attempts).body()
-    how = scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
+    how = reclaim_scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
     # A job that ran out of attempts fails in the reclaim's script, which sends its webhooks then.
     if (webhooks := WebhookMessages.of(settings)) is not None:
         how.webhook = webhooks.block(job_id)
@@ -55,7 +55,7 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
         if holder in live:
             continue
         how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
-        outcome = scripts.reclaim(client, job_id, model, holder, settings.worker_ttl, how)
+        outcome = reclaim_scripts.reclaim(client, job_id, model, holder, settings.worker_ttl, how)
         if outcome is not None:
             extra = logs.job_extra(job_id, telemetry.ids(traceparent or ""))
             log.warning("job %s of worker %s, which stopped: %s", job_id, holder, outcome, extra=extra)
@@ -64,7 +64,8 @@ def _sweep_running(client: redis.Redis, app: Celery, settings: Settings) -> dict
 
 
 def _sweep_queued(client: redis.Redis, settings: Settings) -> dict[str, str]:
-    """A queued job waiting longer than the worker TTL is checked for its task message (see scripts.redeliver)."""
+    """A queued job waiting longer than the worker TTL is checked for its task message (see
+    reclaim_scripts.redeliver)."""
     queued: list[str] = client.zrange(keys.queued(settings.model_name), 0, -1)  # type: ignore[assignment]
     if not queued:
         return {}
@@ -76,7 +77,7 @@ def _sweep_queued(client: redis.Redis, settings: Settings) -> dict[str, str]:
     for job_id, (queued_at, tag, queue, traceparent) in zip(queued, pipe.execute(), strict=True):
         if queued_at is None or float(queued_at) > old or tag is None:
             continue
-        if scripts.redeliver(client, job_id, queue, tag, settings.worker_ttl):
+        if reclaim_scripts.redeliver(client, job_id, queue, tag, settings.worker_ttl):
             extra = logs.job_extra(job_id, telemetry.ids(traceparent or ""))
             log.warning("job %s had lost its task message on the way to a worker: sent again", job_id, extra=extra)
             outcomes[job_id] = "sent again"
@@ -91,6 +92,6 @@ def hand_back(client: redis.Redis, app: Celery, settings: Settings, worker: str,
         lane, created = client.hmget(keys.job(job_id), "lane", "created")  # type: ignore[misc]
         how = _requeue(app, job_id, int(lane or 0), float(created or 0), settings)
         how.queued_at = time.time() - settings.worker_ttl
-        if scripts.reclaim(client, job_id, model, worker, 0, how) == "queued":
+        if reclaim_scripts.reclaim(client, job_id, model, worker, 0, how) == "queued":
             handed.append(job_id)
     return handed

@@ -12,7 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from chatq.api.relay import Relay
-from chatq.core import keys, scripts
+from chatq.core import keys, worker_scripts
 from chatq.core.job import Event, EventKind
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
@@ -32,7 +32,7 @@ def publish(r: redis.Redis, job_id: str, *seqs: int, last: int) -> None:
         events.append((job_id, Event(s, EventKind.done if s == last else EventKind.chunk, data)))
     record(r, job_id)  # the worker writes only the events of jobs that exist
     pipe = r.pipeline(transaction=False)
-    scripts.publish_events(pipe, "relay-test", events)
+    worker_scripts.publish_events(pipe, "relay-test", events)
     pipe.execute()
 
 

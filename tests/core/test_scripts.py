@@ -15,9 +15,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from chatq.core import keys, metrics, scripts
+from chatq.core import api_scripts, keys, lua, metrics, reclaim_scripts, worker_scripts
+from chatq.core.api_scripts import Outcome
 from chatq.core.job import Event, EventKind
-from chatq.core.scripts import LuaFunction, Outcome, Script
+from chatq.core.lua import LuaFunction, Script
 from chatq.core.settings import Settings
 
 
@@ -34,10 +35,10 @@ def _model() -> str:
 
 async def _submit(
     client: aioredis.Redis, model: str, cap: int = 0, idem: str | None = None, job_id: str | None = None
-) -> scripts.Submitted:
+) -> api_scripts.Submitted:
     job_id = job_id or f"chatcmpl-{uuid.uuid4().hex}"
     record = {"id": job_id, "model": model, "status": "queued"}
-    return await scripts.submit(client, job_id, model, record, keys.celery_queue(model), "msg", 1.0, cap, idem)
+    return await api_scripts.submit(client, job_id, model, record, keys.celery_queue(model), "msg", 1.0, cap, idem)
 
 
 def _enqueued(r: redis.Redis, model: str) -> tuple[int, int]:
@@ -99,9 +100,9 @@ async def test_an_existing_job_is_returned_even_when_the_queue_is_full(client: a
 async def test_the_jobs_last_write_expires_its_idempotency_key(client: aioredis.Redis, r: redis.Redis):
     model, idem = _model(), keys.idempotency("", f"k-{uuid.uuid4().hex}")
     made = await _submit(client, model, idem=idem)
-    assert scripts.claim(r, made.job_id, model, "w@idem")
+    assert worker_scripts.claim(r, made.job_id, model, "w@idem")
     pipe = r.pipeline()
-    scripts.update_record(pipe, "w@idem", made.job_id, model, 120, {"status": "completed"}, last=True)
+    worker_scripts.update_record(pipe, "w@idem", made.job_id, model, 120, {"status": "completed"}, last=True)
     pipe.execute()
     assert 0 < r.ttl(idem) <= 120 and 0 < r.ttl(keys.job(made.job_id)) <= 120
     # Until then, the key still names the job.
@@ -113,15 +114,15 @@ async def test_cancel_expires_and_delete_removes_the_idempotency_key(client: aio
     closing = [Event(seq=1, event=EventKind.done)]
     cancelled_idem = keys.idempotency("", f"k-{uuid.uuid4().hex}")
     cancelled = await _submit(client, model, idem=cancelled_idem)
-    assert await scripts.cancel(client, cancelled.job_id, 60, False, closing) == "queued"
+    assert await api_scripts.cancel(client, cancelled.job_id, 60, False, closing) == "queued"
     assert 0 < r.ttl(cancelled_idem) <= 60
     # A job cancelled while it waited ended as an abort, as far as /metrics tells; a second cancel changes nothing.
-    assert await scripts.cancel(client, cancelled.job_id, 60, False, closing) == "cancelled"
+    assert await api_scripts.cancel(client, cancelled.job_id, 60, False, closing) == "cancelled"
     assert metrics.read(r.hgetall(keys.metrics(model))).success == {"abort": 1}
 
     deleted_idem = keys.idempotency("", f"k-{uuid.uuid4().hex}")
     deleted = await _submit(client, model, idem=deleted_idem)
-    assert await scripts.cancel(client, deleted.job_id, 60, True, closing) == "queued"
+    assert await api_scripts.cancel(client, deleted.job_id, 60, True, closing) == "queued"
     assert not r.exists(deleted_idem)
     # A deleted job is no longer named: the same key makes a new one.
     again = await _submit(client, model, idem=deleted_idem)
@@ -136,15 +137,15 @@ async def test_a_key_naming_a_job_deleted_while_running_makes_a_new_job(client: 
     assert again.outcome is Outcome.queued and again.job_id != made.job_id and r.get(idem) == again.job_id
 
 
-def _listing(keep: int = 10, ttl: int = 100) -> scripts.Listing:
-    return scripts.Listing(keys.owner_jobs(f"owner-{uuid.uuid4().hex[:8]}"), keep, ttl)
+def _listing(keep: int = 10, ttl: int = 100) -> api_scripts.Listing:
+    return api_scripts.Listing(keys.owner_jobs(f"owner-{uuid.uuid4().hex[:8]}"), keep, ttl)
 
 
-async def _submit_listed(client: aioredis.Redis, model: str, listing: scripts.Listing) -> str:
+async def _submit_listed(client: aioredis.Redis, model: str, listing: api_scripts.Listing) -> str:
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = {"id": job_id, "model": model, "status": "queued"}
     queue = keys.celery_queue(model)
-    done = await scripts.submit(client, job_id, model, record, queue, "msg", 1.0, listing=listing)
+    done = await api_scripts.submit(client, job_id, model, record, queue, "msg", 1.0, listing=listing)
     assert done.outcome is Outcome.queued
     return job_id
 
@@ -156,7 +157,7 @@ async def test_an_owners_list_keeps_its_newest_jobs_in_order_and_expires(client:
     assert 90 < r.ttl(listing.key) <= 100
     assert r.hget(keys.job(made[0]), "index") == listing.key
     # A refused submit lists nothing.
-    taken = await scripts.submit(client, made[-1], model, {"id": made[-1]}, "q", "msg", 1.0, listing=listing)
+    taken = await api_scripts.submit(client, made[-1], model, {"id": made[-1]}, "q", "msg", 1.0, listing=listing)
     assert taken.outcome is Outcome.taken and r.zcard(listing.key) == 3
 
 
@@ -166,23 +167,24 @@ async def test_a_listed_jobs_end_lengthens_the_lists_expiry_and_its_delete_unlis
     model, listing = _model(), _listing(ttl=10)
     closing = [Event(seq=1, event=EventKind.done)]
     cancelled, ran, deleted = [await _submit_listed(client, model, listing) for _ in range(3)]
-    assert await scripts.cancel(client, cancelled, 500, False, closing) == "queued"
+    assert await api_scripts.cancel(client, cancelled, 500, False, closing) == "queued"
     assert 490 < r.ttl(listing.key) <= 500  # as long as the cancelled job's record is kept
 
-    assert scripts.claim(r, ran, model, "w@list")
+    assert worker_scripts.claim(r, ran, model, "w@list")
     pipe = r.pipeline()
-    scripts.update_record(pipe, "w@list", ran, model, 900, {"status": "completed"}, last=True)
+    worker_scripts.update_record(pipe, "w@list", ran, model, 900, {"status": "completed"}, last=True)
     pipe.execute()
     assert 890 < r.ttl(listing.key) <= 900
     # A shorter expiry never shortens the list's.
     await _submit_listed(client, model, listing)
     assert r.ttl(listing.key) > 800
 
-    assert await scripts.cancel(client, deleted, 60, True, closing) == "queued"
+    assert await api_scripts.cancel(client, deleted, 60, True, closing) == "queued"
     assert r.zscore(listing.key, deleted) is None and r.zscore(listing.key, cancelled) is not None
 
 
-DECLARED = {name: s for name, s in vars(scripts).items() if isinstance(s, Script)}
+SCRIPT_MODULES = (api_scripts, worker_scripts, reclaim_scripts)
+DECLARED = {name: s for m in SCRIPT_MODULES for name, s in vars(m).items() if isinstance(s, Script)}
 
 
 def _lua_words(lua: str) -> set[str]:
@@ -190,7 +192,7 @@ def _lua_words(lua: str) -> set[str]:
 
 
 def test_every_declared_script_is_found():
-    source = Path(scripts.__file__).read_text()
+    source = "".join(Path(m.__file__).read_text() for m in SCRIPT_MODULES)
     assert sorted(DECLARED) == sorted(re.findall(r"^(\w+) = Script\(", source, re.MULTILINE)) != []
 
 
@@ -216,9 +218,9 @@ def test_a_script_reads_its_keys_and_arguments_by_their_names(name: str, r: redi
         (dict(keys=("job-log",), args=(), body="return 1"), "'job-log' is not a Lua name"),
         (dict(keys=(), args=("seq",), tail="seq", body="return seq"), "'seq' is named twice"),
         (dict(keys=(), args=(), tail="rest", body="return #ARGV"), "reads KEYS or ARGV"),
-        (dict(keys=(), args=("extend",), uses=(scripts._EXTEND,), body="extend(extend, 1)"), "named twice"),
+        (dict(keys=(), args=("extend",), uses=(lua.EXTEND,), body="extend(extend, 1)"), "named twice"),
         (
-            dict(keys=("job",), args=(), uses=(scripts._EXTEND,), body="return job"),
+            dict(keys=("job",), args=(), uses=(lua.EXTEND,), body="return job"),
             "extend is in `uses` but the body never calls it",
         ),
     ],
@@ -239,12 +241,12 @@ def test_a_misnamed_argument_is_refused_before_anything_is_sent(r: redis.Redis):
     named = dict(job=keys.job(job_id), queued=keys.queued("m"), cancels=keys.cancels("w@a"))
     named |= dict(running=keys.running("m"), worker="w@a", now=1.0, job_id=job_id, lane=0, delivery="")
     with pytest.raises(TypeError, match=r"without \['delivery'\], with undeclared \['deliver'\]"):
-        scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "delivery"}, deliver="")
+        worker_scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "delivery"}, deliver="")
     with pytest.raises(TypeError, match=r"without \['lane'\]"):
-        scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "lane"})
+        worker_scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "lane"})
     assert r.hget(keys.job(job_id), "status") == "queued"
     # Named in any order, the arguments reach their places.
-    assert scripts._CLAIM.run(r, **dict(reversed(named.items())))
+    assert worker_scripts._CLAIM.run(r, **dict(reversed(named.items())))
     assert r.hmget(keys.job(job_id), "status", "worker") == ["in_progress", "w@a"]
 
 
@@ -252,12 +254,12 @@ def test_a_script_redis_no_longer_holds_is_loaded_again(r: redis.Redis):
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
     r.script_flush()  # as a restarted Redis has none
-    assert scripts.claim(r, job_id, "m", "w@a")["status"] == "in_progress"
+    assert worker_scripts.claim(r, job_id, "m", "w@a")["status"] == "in_progress"
 
 
 # The one place Lua writes an event's envelope, run on its own.
 _WRITE_ENVELOPE = Script(
-    keys=(), args=("seq", "kind", "data"), uses=(scripts._ENVELOPE,), body="return envelope(seq, kind, data)"
+    keys=(), args=("seq", "kind", "data"), uses=(reclaim_scripts._ENVELOPE,), body="return envelope(seq, kind, data)"
 )
 
 

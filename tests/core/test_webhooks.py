@@ -14,7 +14,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from chatq.core import keys, scripts
+from chatq.core import api_scripts, keys, reclaim_scripts, worker_scripts
 from chatq.core.job import Event, EventKind
 from chatq.core.queue import make_celery, task_message
 from chatq.core.settings import Settings
@@ -60,7 +60,7 @@ def pushed(r: redis.Redis) -> list[tuple[str, list]]:
 
 def end(r: redis.Redis, job_id: str, status: str, webhook: str, worker: str = "w@1#1") -> None:
     pipe = r.pipeline(transaction=True)
-    scripts.update_record(pipe, worker, job_id, "m", 60, {"status": status}, last=True, webhook=webhook)
+    worker_scripts.update_record(pipe, worker, job_id, "m", 60, {"status": status}, last=True, webhook=webhook)
     pipe.execute()
 
 
@@ -94,11 +94,11 @@ async def test_a_queued_job_cancelled_pushes_its_cancelled_delivery(
 ) -> None:
     closing = [Event(seq=1, event=EventKind.done)]
     cancelled, deleted, running = job(r, "queued", kind="text"), job(r, "queued"), job(r, "in_progress")
-    assert await scripts.cancel(client, cancelled, 60, False, closing, outbox.block(cancelled)) == "queued"
-    assert await scripts.cancel(client, cancelled, 60, False, closing, outbox.block(cancelled)) == "cancelled"
-    assert await scripts.cancel(client, deleted, 60, True, closing, outbox.block(deleted)) == "queued"
+    assert await api_scripts.cancel(client, cancelled, 60, False, closing, outbox.block(cancelled)) == "queued"
+    assert await api_scripts.cancel(client, cancelled, 60, False, closing, outbox.block(cancelled)) == "cancelled"
+    assert await api_scripts.cancel(client, deleted, 60, True, closing, outbox.block(deleted)) == "queued"
     # A running job is only flagged: its worker's last write sends its event.
-    assert await scripts.cancel(client, running, 60, False, closing, outbox.block(running)) == "in_progress"
+    assert await api_scripts.cancel(client, running, 60, False, closing, outbox.block(running)) == "in_progress"
     # One delivery to each URL, sent once however often it is cancelled.
     assert [(args[0], args[2], args[4]) for _, args in pushed(r)] == [(u, cancelled, "text.cancelled") for u in URLS]
 
@@ -110,8 +110,8 @@ def test_a_job_failed_by_the_reclaim_pushes_its_failed_delivery(
     queue, message = task_message(make_celery(settings), job_id, keys.celery_queue("m"), 0)
     r.hset(keys.job(job_id), "attempts", "3")
     error = {"error": {"message": "lost", "type": "server_error", "param": None, "code": 500}}
-    how = scripts.Requeue(queue, message, 1.0, 3, 60, error, webhook=outbox.block(job_id))
-    assert scripts.reclaim(r, job_id, "m", "w@dead#1", 5, how) == "failed"
+    how = reclaim_scripts.Requeue(queue, message, 1.0, 3, 60, error, webhook=outbox.block(job_id))
+    assert reclaim_scripts.reclaim(r, job_id, "m", "w@dead#1", 5, how) == "failed"
     assert [(args[2], args[4]) for _, args in pushed(r)] == [(job_id, "chat.failed")] * len(URLS)
 
 

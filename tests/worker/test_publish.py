@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from chatq.core import keys, scripts
+from chatq.core import keys, worker_scripts
 from chatq.core.job import Event, EventKind, JobStatus
 from chatq.embedded_redis import EmbeddedRedis
 from chatq.worker.publish import JobEnd, Outbox, Publisher, StepWrites, Written
@@ -53,7 +53,7 @@ def test_events_are_logged_and_published_and_finished_jobs_expire(settings):
 
 def claim(r: redis.Redis, job_id: str, worker: str) -> dict[str, str]:
     """As chatq.worker.celery_app's task claims a job."""
-    return scripts.claim(r, job_id, "m", worker)
+    return worker_scripts.claim(r, job_id, "m", worker)
 
 
 def test_every_step_reads_the_cancels_of_its_workers_running_jobs(settings):
@@ -324,7 +324,7 @@ def test_an_ended_jobs_metrics_are_added_once_and_only_by_its_holder(settings):
     mine, lost = "chatcmpl-metrics-mine", "chatcmpl-metrics-lost"
     for job_id, worker in ((mine, "w@a"), (lost, "w@b")):
         r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
-        assert scripts.claim(r, job_id, model, worker)
+        assert worker_scripts.claim(r, job_id, model, worker)
     pub = publisher(settings.model_copy(update={"model_name": model}), "w@a")
     added = {"generation_tokens": 5, "success:length": 1, "e2e:sum": 0.25}
     ends = [JobEnd(job_id, JobStatus.completed, 5, metrics=added) for job_id in (mine, lost)]

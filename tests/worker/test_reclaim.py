@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from chatq.api.jobs import JobStore
-from chatq.core import keys, metrics, scripts
+from chatq.core import keys, metrics, worker_scripts
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.queue import make_celery, task_fields, task_message
@@ -31,7 +31,7 @@ def running_job(r: redis.Redis, settings, job_id: str, holder: str, events: int 
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
     job = Job(id=job_id, model=settings.model_name, request=request, prompt_ids=[1, 2])
     r.hset(keys.job(job_id), mapping=job.to_redis())
-    assert scripts.claim(r, job_id, settings.model_name, holder, LANE)
+    assert worker_scripts.claim(r, job_id, settings.model_name, holder, LANE)
     chunks = [(job_id, Event(seq, EventKind.chunk, {"choices": [{"index": 0}]}, [seq])) for seq in range(1, events + 1)]
     Publisher(r, settings, holder).flush(StepWrites(events=chunks))
 
@@ -64,8 +64,8 @@ def test_a_stopped_workers_job_is_queued_again_once_however_many_sweep(r, model_
     assert r.ttl(keys.events(job_id)) == -1  # the log waits with the job for a worker to continue it
 
     # The job's new task and the dead worker's message, redelivered late: one claim runs it.
-    assert scripts.claim(r, job_id, settings.model_name, "w@a#2", LANE)["attempts"] == "2"
-    assert scripts.claim(r, job_id, settings.model_name, "w@b#3", LANE) == {}
+    assert worker_scripts.claim(r, job_id, settings.model_name, "w@a#2", LANE)["attempts"] == "2"
+    assert worker_scripts.claim(r, job_id, settings.model_name, "w@b#3", LANE) == {}
     assert sweep(r, app, settings) == {}  # its holder is alive
 
 
@@ -90,7 +90,7 @@ def test_a_job_out_of_attempts_fails_after_its_log_instead(r, model_settings):
     r.hset(keys.job(job_id), "idem", idem)
     alive(r, settings, "w@second#2")
     assert sweep(r, app, settings) == {job_id: "queued"}
-    assert scripts.claim(r, job_id, settings.model_name, "w@second#2", LANE)
+    assert worker_scripts.claim(r, job_id, settings.model_name, "w@second#2", LANE)
     r.zrem(keys.workers(settings.model_name), "w@second#2")  # it dies too, the job's second attempt spent
     alive(r, settings, "w@third#3")
     assert sweep(r, app, settings) == {job_id: "failed"}
@@ -142,7 +142,7 @@ def test_a_cancel_asked_of_a_stopped_worker_reaches_the_one_that_continues(r, mo
     r.hset(keys.job(job_id), "cancel", "1")  # as the API's cancel leaves a running job
     alive(r, settings, "w@a#2")
     assert sweep(r, make_celery(settings), settings) == {job_id: "queued"}
-    assert scripts.claim(r, job_id, settings.model_name, "w@a#2", LANE)
+    assert worker_scripts.claim(r, job_id, settings.model_name, "w@a#2", LANE)
     assert Publisher(r, settings, "w@a#2").flush(StepWrites()).cancelled == {job_id}
 
 
@@ -173,7 +173,7 @@ def test_a_queued_job_whose_task_message_was_lost_gets_it_again_once(r, model_se
     # The fresh one may still be on its way to a worker; the waiting one is in its queue.
     assert sorted(map(len, outcomes)) == [0, 0, 1] and {lost: "sent again"} in outcomes
     assert queued_tasks(r, settings) == 2
-    assert scripts.claim(r, lost, settings.model_name, "w@a#1", LANE)
+    assert worker_scripts.claim(r, lost, settings.model_name, "w@a#1", LANE)
 
 
 def test_a_task_delivered_to_a_worker_that_never_claimed_it_is_sent_again(r, model_settings):
