@@ -25,14 +25,15 @@ import torch
 
 from chatq.core import logs
 from chatq.worker import device, selfcheck
+from chatq.worker.batching import Scored, build_batch, score
 from chatq.worker.blocks import BlockManager
 from chatq.worker.device import DeviceLost
 from chatq.worker.forward import Batch, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
-from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws, to_device
+from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws
 
 if TYPE_CHECKING:  # xgrammar is imported by a sequence's first grammar: the engine alone runs without it
-    from chatq.worker.beam import BeamGroup, Hypothesis
+    from chatq.worker.beam import BeamGroup
     from chatq.worker.grammar import Grammar, GrammarState
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class Engine:
         self.stats.batch_size = len(scheduled)
         self.stats.generation_tokens += len(emitting)
         if scored:
-            _score(scored, logits[len(emitting) :])
+            score(scored, logits[len(emitting) :])
         if emitting:
             outputs.extend(self._sample_or_search(emitting, logits[: len(emitting)]))
 
@@ -333,7 +334,7 @@ class Engine:
         on a fast path runs again without it, which stays off, down to the plain path if need be; one that fails on
         the plain path fails its prompt chunks, the likely cause (a long chunk's memory), and runs the decodes again
         alone (the rest fail with them into `outputs`). A lost device raises DeviceLost."""
-        batch, emitting, scored = self._build_batch(scheduled)
+        batch, emitting, scored = build_batch(scheduled, self.block_size, self.device)
         while True:
             path = self._path(batch)
             try:
@@ -347,7 +348,7 @@ class Engine:
         outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], f"generation failed ({error})"))
         if not prefills or not decodes:
             return None
-        batch, emitting, scored = self._build_batch(decodes)
+        batch, emitting, scored = build_batch(decodes, self.block_size, self.device)
         try:
             return self._run(batch, self._path(batch)), emitting, scored, decodes
         except Exception as e:
@@ -499,60 +500,6 @@ class Engine:
             if seq.beams is not None and seq.id in seq.beams.rows:
                 self._preempt(seq)
 
-    def _slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
-        """Cache slots of a sequence's first `length` tokens, from its blocks (on the device)."""
-        bs = self.block_size
-        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
-
-    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence], list[Scored]]:
-        """The step's batch; the sequences that sample, whose logits come first; the prompt tokens scored, whose
-        logits follow in that order."""
-        # Per-token Python work covers only the new tokens; anything proportional to context length (slot tables,
-        # masks) uses tensor ops, as a step may carry hundreds of long-context sequences.
-        bs, dev = self.block_size, self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        logits_at: list[int] = []
-        emitting: list[Sequence] = []
-        score_at: list[int] = []
-        scored: list[Scored] = []
-        decodes: list[Sequence] = []
-        prefills: list[tuple[int, int, torch.Tensor]] = []
-        for seq, n in scheduled:
-            start = len(ids)
-            first = seq.num_cached
-            ids.extend(_tokens(seq, first, first + n))
-            pos.extend(range(first, first + n))
-            slots.extend(seq.blocks[i // bs] * bs + i % bs for i in range(first, first + n))
-            if first + n == len(seq):
-                logits_at.append(start + n - 1)
-                emitting.append(seq)
-            if positions := seq.scored_positions(first, n):
-                score_at.extend(start + p - first for p in positions)
-                scored.append(Scored(seq, seq.prompt_ids[positions.start + 1 : positions.stop + 1]))
-            if n == 1 and first + 1 == len(seq) and not prefills:
-                decodes.append(seq)
-                continue
-            prefills.append((start, start + n, self._slots(to_device(dev, seq.blocks), first + n)))
-        dec_table = dec_lens = None
-        if decodes:
-            width = max(len(s.blocks) for s in decodes)
-            dec_table = to_device(dev, [s.blocks + [0] * (width - len(s.blocks)) for s in decodes], torch.int32)
-            dec_lens = to_device(dev, [len(s) for s in decodes], torch.int32)
-        batch = Batch(
-            input_ids=to_device(dev, ids),
-            positions=to_device(dev, pos),
-            slots=to_device(dev, slots),
-            num_decode=len(decodes),
-            dec_table=dec_table,
-            dec_lens=dec_lens,
-            prefills=prefills,
-            logits_at=None if not score_at and len(logits_at) == len(ids) else to_device(dev, logits_at + score_at),
-            dec_ids=[s.context or s.id for s in decodes],
-        )
-        return batch, emitting, scored
-
     # --- sampling and finishing ------------------------------------------------------------------------
 
     def _sample_or_search(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
@@ -560,6 +507,8 @@ class Engine:
         beams = [i for i, s in enumerate(seqs) if s.beams is not None]
         if not beams:
             return self._sample(seqs, logits)
+        from chatq.worker.beam_step import advance_beams  # which imports the engine's types
+
         rows = torch.log_softmax(logits[beams].float(), dim=-1)
         outputs = []
         for i, row in zip(beams, rows, strict=True):
@@ -567,57 +516,10 @@ class Engine:
             assert group is not None
             group.rows[seqs[i].id] = row
             if group.ready():
-                outputs.extend(self._advance_beams(group))
+                outputs.extend(advance_beams(self, group))
         rest = [i for i in range(len(seqs)) if seqs[i].beams is None]
         if rest:
             outputs.extend(self._sample([seqs[i] for i in rest], logits[rest]))
-        return outputs
-
-    def _advance_beams(self, group: BeamGroup) -> list[Output]:
-        """One step of a beam search: each slot takes its new beam's tokens and, sharing them, its parent's blocks;
-        once the search ends, each slot its answer."""
-        beams = group.seqs[: group.running]
-        rows = torch.stack([group.rows.pop(s.id) for s in beams])
-        step = group.search.advance(rows, [s.output_ids for s in beams])
-        if step.answer is not None:
-            return self._end_beams(group, step.answer)
-        forks, continued = [], set()
-        for parent, token in zip(step.parents, step.tokens, strict=True):
-            p = beams[parent]
-            # A parent's first child continues its context rows; the others' are copied anew.
-            context = p.context or p.id if parent not in continued else f"{p.id}+{next(self._contexts)}"
-            continued.add(parent)
-            forks.append((p.output_ids + [token], list(p.blocks), list(p.block_hashes), p.num_cached, context))
-            self.blocks.share(p.blocks)
-        for seq in beams:
-            self._release(seq)
-        for seq, (output_ids, blocks, hashes, cached, context) in zip(group.seqs, forks, strict=True):
-            seq.output_ids, seq.blocks, seq.block_hashes, seq.num_cached = output_ids, blocks, hashes, cached
-            seq.context = context
-            if seq in self.parked:
-                self.parked.remove(seq)
-                seq.arrival = next(self._order)
-                bisect.insort(self.running, seq, key=_rank)
-            copied = self.blocks.own_last(seq)
-            if copied is not None:
-                self.cache.copy_block(copied, seq.blocks[-1])
-            elif seq.num_cached != cached:  # its last block let go, to be computed again
-                seq.context = f"{seq.id}+{next(self._contexts)}"
-        group.running = len(group.seqs)
-        return []
-
-    def _end_beams(self, group: BeamGroup, answer: list[Hypothesis]) -> list[Output]:
-        outputs = []
-        for i, seq in enumerate(group.seqs):
-            if seq in self.running:
-                self.running.remove(seq)
-            if seq in self.parked:
-                self.parked.remove(seq)
-            if i >= len(answer):  # fewer answers than beams: none left that could end
-                outputs.append(self._finish(seq, Finish.error, "beam search found fewer answers than beams"))
-                continue
-            seq.output_ids = answer[i].tokens
-            outputs.append(self._finish(seq, Finish.stop if answer[i].ended else Finish.length))
         return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Output]:
@@ -669,37 +571,6 @@ class Engine:
         return Output(seq, None, finish)
 
 
-@dataclass
-class Scored:
-    """Prompt tokens of one sequence whose logprobs a step makes, in order."""
-
-    seq: Sequence
-    targets: list[int]
-
-
-def _score(scored: list[Scored], logits: torch.Tensor) -> None:
-    """Appends each prompt token's logprob, rank and its place's most likely tokens to its sequence's entries:
-    `logits` [sum of targets, V], from the positions before the targets. The model's raw distribution, with -inf read
-    as -9999, as vLLM reports prompt logprobs."""
-    dev = logits.device
-    with torch.inference_mode():
-        lp = logits.log_softmax(dim=-1).clamp_(min=-9999.0)
-        targets = to_device(dev, [t for s in scored for t in s.targets])
-        chosen = lp.gather(1, targets[:, None])
-        # vLLM's rank: how many tokens are at least as likely.
-        ranks = (lp >= chosen).sum(dim=-1).tolist()
-        k = max(s.seq.params.prompt_logprobs or 0 for s in scored)
-        vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen_list, top_vals, top_ids = chosen[:, 0].tolist(), vals.tolist(), ids.tolist()
-    row = 0
-    for s in scored:
-        n = s.seq.params.prompt_logprobs or 0
-        for _ in s.targets:
-            top = list(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
-            s.seq.prompt_logprobs.append(TokenLogprob(chosen_list[row], top, ranks[row]))
-            row += 1
-
-
 def repeats(output: list[int], smallest: int, largest: int, count: int) -> bool:
     """Whether the output ends in a pattern of `smallest`..`largest` tokens repeated `count` times: vLLM's check,
     which tries the sizes upward and stops at the first the output is too short for."""
@@ -710,17 +581,6 @@ def repeats(output: list[int], smallest: int, largest: int, count: int) -> bool:
         if all(output[len(output) - size * (m + 1) : len(output) - size * m] == tail for m in range(1, count)):
             return True
     return False
-
-
-def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
-    """Tokens start..end of the sequence's prompt and output, without joining the two: a decode step would
-    otherwise copy every sequence's whole context to take its last token."""
-    p = len(seq.prompt_ids)
-    if end <= p:
-        return seq.prompt_ids[start:end]
-    if start >= p:
-        return seq.output_ids[start - p : end - p]
-    return seq.prompt_ids[start:] + seq.output_ids[: end - p]
 
 
 def job_of(seq: Sequence) -> dict[str, str]:
