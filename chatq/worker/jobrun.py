@@ -8,16 +8,13 @@ before the loop takes it)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from chatq.core import chunks, logs, sampling
 from chatq.core.chat_request import ChatCompletionRequest
-from chatq.core.chunks import TokenInfo
 from chatq.core.completion_request import CompletionRequest
 from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
@@ -25,11 +22,11 @@ from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
 from chatq.core.render import bad_words_ids
 from chatq.core.settings import Settings
-from chatq.worker.beam import BeamGroup, BeamSearch
+from chatq.worker.choice import Choice, add_ids, call_id, echo_text, echo_with_logprobs, prompt_logprobs
+from chatq.worker.deferred import beam_group, rank
 from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
-from chatq.worker.grammar import Grammar, GrammarCompiler
-from chatq.worker.parse import JoinedDeltas, Parser
+from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
 from chatq.worker.sampler import SamplingParams
@@ -40,28 +37,6 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY = 0.25  # seconds between progress writes of one job
 # How a logged finish_reason ends a replayed sequence; any other ends it as a stop.
 _FINISHES = {"length": Finish.length, "repetition": Finish.repetition}
-
-
-@dataclass
-class Choice:
-    index: int
-    seq: Sequence
-    text: TextStream
-    parser: Parser
-    prompt: int = 0  # which of the job's prompts it answers
-    echo: str = ""  # the text it echoes first
-    echo_pending: bool = False  # its echo waits for the prompt's logprobs, which come with its first token
-    message: JoinedDeltas = field(default_factory=JoinedDeltas)
-    logprobs: list[TokenInfo] = field(default_factory=list)
-    unsent_logprobs: list[TokenInfo] = field(default_factory=list)
-    reasoning_tokens: int = 0
-    grammar: Grammar | None = None  # the output's format, until its sequence takes it on once the reasoning ends
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    unlogged: list[int] = field(default_factory=list)  # token ids generated since the choice's last event
-    prompt_ids_sent: bool = False  # a legacy stream's first chunk of the choice carries the prompt's ids
-    held: Delta = field(default_factory=Delta)  # what a job answering at its end has made of it so far
-    score: float = 0.0  # its cumulative logprob, which best_of ranks by
 
 
 class JobRun:
@@ -128,8 +103,8 @@ class JobRun:
             max_tokens = (
                 1 if self.silent else sampling.max_tokens(req.max_new_tokens, self.model.sampling_defaults, room)
             )
-            echo = self._echo(p, prompt_ids)
-            beams = self._beam_group(max_tokens) if req.use_beam_search else None
+            echo = echo_text(req, p, prompt_ids, self.decoder)
+            beams = beam_group(req, self.plan.params[0].stop_token_ids, max_tokens) if req.use_beam_search else None
             for i, params in enumerate(self.plan.params):
                 params = dataclasses.replace(params, max_tokens=max_tokens)
                 choice = self._choice(p * req.candidates + i, p, prompt_ids, params, echo, settings)
@@ -137,17 +112,6 @@ class JobRun:
                     choice.seq.beams = beams
                     beams.seqs.append(choice.seq)
                 self.choices.append(choice)
-
-    def _beam_group(self, max_tokens: int) -> BeamGroup:
-        req = self.job.request
-        search = BeamSearch(
-            req.n,
-            length_penalty=req.length_penalty,
-            early_stopping=req.early_stopping,
-            end_ids=self.plan.params[0].stop_token_ids,
-            max_tokens=max_tokens,
-        )
-        return BeamGroup(search)
 
     def _choice(
         self, index: int, p: int, prompt_ids: list[int], params: SamplingParams, echo: str, settings: Settings
@@ -176,20 +140,6 @@ class JobRun:
         choice = Choice(index, seq, text, self.plan.make_parser(), p, echo, self.echo_logprobs, grammar=grammar)
         self._constrain(choice)
         return choice
-
-    def _echo(self, p: int, prompt_ids: list[int]) -> str:
-        """The text the choices of prompt `p` echo."""
-        req = self.job.request
-        if isinstance(req, ChatCompletionRequest):
-            last = req.messages[-1]
-            return (last.text() or "") if req.echo and last.role == req.response_role else ""
-        # The prompt as sent, as vLLM echoes it; decoded only when it came as ids or was truncated.
-        prompt = req.prompts[p]
-        if not req.echo:
-            return ""
-        if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
-            return prompt
-        return self.decoder.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     @property
     def finished(self) -> bool:
@@ -239,20 +189,12 @@ class JobRun:
         if choice is not None and choice.unlogged:
             ids, choice.unlogged = choice.unlogged, []
         if self.return_ids and choice is not None and data is not None:
-            self._add_ids(choice, data["choices"][0], ids or [])
+            add_ids(self.job, choice, data["choices"][0], ids or [])
         event = Event(seq=self.last_seq, event=kind, data=data, ids=ids)
         # Encoded now, where a failure is this job's alone: in the step's writes, a value orjson refuses (a string
         # no UTF-8 encoder takes) would fail every job's writes.
         event.to_json()
         return event
-
-    def _add_ids(self, choice: Choice, data: dict[str, Any], ids: list[int]) -> None:
-        """return_token_ids, where vLLM streams them: a chunk's token ids in its choice; the prompt's in the first
-        chunk of a legacy choice (a chat stream's opening chunks carry them, from start())."""
-        data["token_ids"] = ids
-        if self.job.kind == "text" and not choice.prompt_ids_sent:
-            data["prompt_token_ids"] = self.job.prompts[choice.prompt]
-            choice.prompt_ids_sent = True
 
     def _chunk(self, choice: Choice, delta: Delta, carries_ids: bool = True) -> Event:
         logprobs = self._take_logprobs(choice)
@@ -280,23 +222,6 @@ class JobRun:
                 c.message.add(echo)
                 events.append(self._chunk(c, echo))
         return events
-
-    def _echo_with_logprobs(self, choice: Choice) -> Delta:
-        """The echo of a legacy choice, with its prompt's logprobs as vLLM lists them: the first token's null, then
-        each token's with the likeliest at its place, `logprobs` of them besides the token itself."""
-        choice.echo_pending = False
-        ids, entries, k = choice.seq.prompt_ids, choice.seq.prompt_logprobs, choice.seq.params.logprobs or 0
-        first = self.decoder.token(ids[0])
-        infos = [TokenInfo(first, None, [], 0)]
-        offset = len(first)
-        for token, e in zip(ids[1:], entries, strict=True):
-            info = self.decoder.info(token, e.logprob, [(t, lp) for t, lp in e.top if t != token][:k], offset)
-            infos.append(info)
-            offset += len(info.token)
-        choice.unsent_logprobs = infos + choice.unsent_logprobs
-        echo = Delta(content=choice.echo)
-        choice.message.add(echo)
-        return echo
 
     def handle(self, choice: Choice, out: Output, now: float) -> tuple[list[Event], list[str]]:
         """One engine output of the step that ended at `now`: its events, and the ids of the sequences the engine
@@ -330,7 +255,7 @@ class JobRun:
             return [], False
         events = []
         if choice.echo_pending and out.token is not None:
-            echo = self._echo_with_logprobs(choice)
+            echo = echo_with_logprobs(choice, self.decoder)
             if self.deferred:
                 choice.held += echo
             else:
@@ -353,7 +278,7 @@ class JobRun:
             delta.reasoning = ""
         for call in delta.tool_calls:
             if call.id is not None:
-                call.id = self._call_id(choice, call.index)
+                call.id = call_id(self.job.id, choice, call.index)
         choice.message.add(delta)
         if self.deferred:
             choice.held += delta
@@ -369,12 +294,6 @@ class JobRun:
             )
             events.append(self._event(EventKind.chunk, finish, choice))
         return events, stop_now
-
-    def _call_id(self, choice: Choice, index: int) -> str:
-        """A tool call's id, the same in every attempt at the job: a resumed job's result names the calls its
-        stream named."""
-        digest = hashlib.blake2b(f"{self.job.id}/{choice.index}/{index}".encode(), digest_size=16).hexdigest()
-        return f"chatcmpl-tool-{digest}"
 
     def resume(self, log: list[Event]) -> None:
         """Takes the job up where an earlier attempt's log stops. The tokens its events carried go again, silently,
@@ -516,7 +435,7 @@ class JobRun:
         status = JobStatus.cancelled if any(c.finish_reason == "abort" for c in self.choices) else JobStatus.completed
         events = []
         if self.deferred:
-            self._rank()
+            self.choices = rank(self.choices, self.job)
             events = self._answer() if status is JobStatus.completed else []
         answered = self.choices[: len(self.job.prompts) * self.job.request.n]
         result = self.chunks.final([self._final_choice(c) for c in answered], self.usage())
@@ -524,7 +443,8 @@ class JobRun:
             isinstance(self.job.request, ChatCompletionRequest)
             and self.choices[0].seq.params.prompt_logprobs is not None
         ):
-            result["prompt_logprobs"] = self._prompt_logprobs(self.choices[0].seq)  # vLLM's place for them in chat
+            # vLLM's place for them in chat.
+            result["prompt_logprobs"] = prompt_logprobs(self.choices[0].seq, self.decoder)
         if self.return_ids and self.job.kind != "text":
             result["prompt_token_ids"] = self.job.prompt_ids
         req = self.job.request
@@ -535,20 +455,6 @@ class JobRun:
         waited = status is JobStatus.completed and not req.stream and not req.background
         events.append(self._event(EventKind.done, result if waited else None))
         return events, JobEnd(self.job.id, status, self.completion_tokens, result=result)
-
-    def _rank(self) -> None:
-        """Puts each prompt's best `n` candidates first, numbered as its choices (a beam search's come best first;
-        best_of's rank by cumulative logprob), and the others after them, which count in the usage alone."""
-        n, answered, others = self.job.request.n, [], []
-        for p in range(len(self.job.prompts)):
-            candidates = [c for c in self.choices if c.prompt == p]
-            if not self.job.request.use_beam_search:
-                candidates.sort(key=lambda c: c.score, reverse=True)
-            answered += candidates[:n]
-            others += candidates[n:]
-        self.choices = answered + others
-        for i, c in enumerate(self.choices):
-            c.index = i
 
     def _answer(self) -> list[Event]:
         """The answered choices of a job that answers at its end, each streamed whole in one chunk."""
@@ -578,23 +484,10 @@ class JobRun:
             c.index, content, reasoning, tool_calls, logprobs, c.finish_reason, c.stop_reason
         )
         if isinstance(self.job.request, CompletionRequest) and c.seq.params.prompt_logprobs is not None:
-            final["prompt_logprobs"] = self._prompt_logprobs(c.seq)
+            final["prompt_logprobs"] = prompt_logprobs(c.seq, self.decoder)
         if self.return_ids:
             # Where vLLM puts them: a legacy choice holds its prompt's ids, a chat completion's object holds them.
             if self.job.kind == "text":
                 final["prompt_token_ids"] = self.job.prompts[c.prompt]
             final["token_ids"] = [] if self.silent else list(c.seq.output_ids)
         return final
-
-    def _prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None]:
-        """vLLM's prompt_logprobs: null for the first token, then for each a map of token id to its logprob, rank and
-        text, the prompt's token first and the likeliest after it."""
-        out: list[dict[str, Any] | None] = [None]
-        # Fewer than the prompt's only where the job ended before its prompt was read (cancelled, failed).
-        for token, e in zip(seq.prompt_ids[1:], seq.prompt_logprobs, strict=False):
-            ranked = [(token, e.logprob, e.rank)] + [(t, lp, r) for r, (t, lp) in enumerate(e.top, 1)]
-            entry: dict[str, Any] = {}
-            for t, lp, rank in ranked:
-                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self.decoder.token(t)})
-            out.append(entry)
-        return out

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from chatq.core.job import Event, Job
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
+from chatq.worker.choice import Choice
 from chatq.worker.detokenize import Decoder
 from chatq.worker.device import DeviceLost
 from chatq.worker.engine import Output, StepEngine
 from chatq.worker.grammar import GrammarCompiler
-from chatq.worker.jobrun import Choice, JobRun
+from chatq.worker.jobrun import JobRun
 from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
 from chatq.worker.timing import JobClock
 
