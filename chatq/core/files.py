@@ -18,7 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from chatq.core import keys
-from chatq.core.scripts import LuaFunction, Script
+from chatq.core.lua import LuaFunction, Script
 
 # What a client may upload a file for (OpenAI's purposes); `batch_output` is chatq's own, for a batch's results.
 Purpose = Literal["assistants", "batch", "fine-tune", "vision", "user_data", "evals"]
