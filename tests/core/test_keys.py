@@ -28,6 +28,8 @@ EXAMPLES = {
     keys.file: ("file-abc",),
     keys.owner_files: ("0f",),
     keys.files_due: (),
+    keys.batch: ("batch_abc",),
+    keys.owner_batches: ("0f",),
     keys.celery_queue: ("m",),
     keys.celery_lane: (keys.celery_queue("m"), 3),
     keys.webhook_queue: (),
