@@ -158,6 +158,14 @@ class Batches:
         h: dict[str, str] = await self.redis.hgetall(keys.batch(batch_id))  # type: ignore[assignment,misc]
         if not h or not hmac.compare_digest(h.get("owner", ""), owner):
             raise BatchNotFound(batch_id)
+        return await self._expire(Batch.from_redis(h))
+
+    async def _expire(self, batch: Batch) -> Batch:
+        """The batch, `expired` if its window has passed before it ended; whichever reader sees that first moves it."""
+        if batch.status not in batches.CANCELLABLE or batch.expires_at > time.time():
+            return batch
+        await batches.move(self.redis, batch.id, batches.CANCELLABLE, "expired")
+        h: dict[str, str] = await self.redis.hgetall(keys.batch(batch.id))  # type: ignore[assignment,misc]
         return Batch.from_redis(h)
 
     async def cancel(self, batch_id: str, owner: str) -> Batch:
@@ -180,7 +188,7 @@ class Batches:
             for batch_id in ids:
                 pipe.hgetall(keys.batch(batch_id))
             records: list[dict[str, str]] = await pipe.execute()
-        found = [Batch.from_redis(h) for h in records if h and h.get("owner") == owner]
+        found = [await self._expire(Batch.from_redis(h)) for h in records if h and h.get("owner") == owner]
         return found[:limit], len(ids) > limit
 
 

@@ -167,3 +167,22 @@ def test_another_keys_batch_is_not_found(base: str, model_name: str) -> None:
     assert batch.id not in [b.id for b in theirs.batches.list().data]
     with pytest.raises(openai.AuthenticationError):
         sdk(base, "wrong-key").batches.retrieve(batch.id)
+
+
+def test_a_batch_past_its_window_expires(
+    stack: str, settings: Settings, model_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    short = settings.model_copy(update={"api_port": free_port(), "batch_window": 2})
+    with running_api(short, tmp_path_factory.mktemp("batches-expiry-logs")) as url:
+        client = sdk(url, "unused")
+        created = client.batches.create(
+            input_file_id=upload(client, [chat_line("a", model_name)]),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        assert created.expires_at == created.created_at + 2
+        assert settle(client, created.id).status == "in_progress"
+        time.sleep(max(0.0, created.expires_at - time.time()) + 1)
+        batch = client.batches.retrieve(created.id)
+        assert batch.status == "expired" and batch.expired_at is not None, batch
+        assert client.batches.cancel(created.id).status == "expired"  # an ended batch stays as it ended
