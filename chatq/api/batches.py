@@ -23,6 +23,7 @@ from chatq.core import batches, keys
 from chatq.core.batches import Batch, LineCheck, LineError
 from chatq.core.errors import BadRequest, BatchNotFound, FileNotFound, ModelNotFound
 from chatq.core.filestore import chunks
+from chatq.core.webhooks import WebhookMessages
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def _lines(stream: Iterator[bytes]) -> Iterator[str]:
 class Batches:
     def __init__(self, client: aioredis.Redis, files: Files, models: Models):
         self.redis, self.files, self.models = client, files, models
+        self.webhooks = WebhookMessages.of(files.settings)
         self._detached: set[asyncio.Task[None]] = set()
 
     async def create(self, body: BatchCreate, owner: str) -> Batch:
@@ -113,7 +115,7 @@ class Batches:
             errors = await self._check_models(check)
         if errors:
             views = [e.view() for e in errors[: batches.MAX_ERRORS]]
-            await batches.move(self.redis, batch.id, ("validating",), "failed", errors=views)
+            await batches.move(self.redis, batch.id, ("validating",), "failed", self._webhook(batch.id), errors=views)
             log.info("batch %s failed validation: %d errors", batch.id, len(errors))
             return
         assert check is not None
@@ -151,6 +153,10 @@ class Batches:
             )
         return errors
 
+    def _webhook(self, batch_id: str) -> str:
+        """The webhook messages a batch's end sends, "" without webhook URLs."""
+        return "" if self.webhooks is None else self.webhooks.block(batch_id)
+
     async def get(self, batch_id: str, owner: str) -> Batch:
         """The batch, if `owner` may see it: another owner's batch is not found."""
         if BATCH_ID.fullmatch(batch_id) is None:
@@ -164,7 +170,7 @@ class Batches:
         """The batch, `expired` if its window has passed before it ended; whichever reader sees that first moves it."""
         if batch.status not in batches.CANCELLABLE or batch.expires_at > time.time():
             return batch
-        await batches.move(self.redis, batch.id, batches.CANCELLABLE, "expired")
+        await batches.move(self.redis, batch.id, batches.CANCELLABLE, "expired", self._webhook(batch.id))
         h: dict[str, str] = await self.redis.hgetall(keys.batch(batch.id))  # type: ignore[assignment,misc]
         return Batch.from_redis(h)
 
@@ -172,7 +178,7 @@ class Batches:
         """Cancels a batch not yet ended: `cancelling`, then `cancelled` once none of its lines runs."""
         batch = await self.get(batch_id, owner)
         await batches.move(self.redis, batch.id, batches.CANCELLABLE, "cancelling")
-        await batches.move(self.redis, batch.id, ("cancelling",), "cancelled")
+        await batches.move(self.redis, batch.id, ("cancelling",), "cancelled", self._webhook(batch.id))
         return await self.get(batch_id, owner)
 
     async def list(self, owner: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:

@@ -162,10 +162,11 @@ class Batch:
 
 
 # Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated); `fields`
-# are set with it. 1 if it moved: two processes never both make the same move.
+# are set with it, and the webhook messages (webhooks.WebhookMessages.block, "" for none) of an end are pushed with
+# it, so no end is lost before its webhook. 1 if it moved: two processes never both make the same move.
 _MOVE = Script(
     keys=("record",),
-    args=("start", "to", "stamp"),
+    args=("start", "to", "stamp", "webhooks"),
     tail="fields",
     body="""
 local status = redis.call('HGET', record, 'status')
@@ -176,6 +177,10 @@ local t = redis.call('TIME')
 redis.call('HSET', record, 'status', to, stamp, t[1])
 if #fields > 0 then
   redis.call('HSET', record, unpack(fields))
+end
+if webhooks ~= '' and string.match(to, '^[%w_]+$') then
+  local w = cjson.decode(webhooks)
+  for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. 'batch.' .. to .. m[2]) end
 end
 return 1
 """,
@@ -191,11 +196,21 @@ def create(client: Client, batch: Batch, listed_at: float) -> Any:
     return pipe.execute()
 
 
-def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, **fields: Any) -> Any:
-    """Moves the batch to status `to` if it is in one of `start`, setting `fields` (JSON-encoded unless strings);
-    true (awaited, for an asyncio client) if it moved."""
+def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, webhook: str = "", **fields: Any) -> Any:
+    """Moves the batch to status `to` if it is in one of `start`, setting `fields` (JSON-encoded unless strings) and
+    pushing `webhook` (chatq.core.webhooks.WebhookMessages.block) if `to` is an end; true (awaited, for an asyncio
+    client) if it moved."""
     flat = [x for k, v in fields.items() for x in (k, v if isinstance(v, str) else json.dumps(v))]
-    return _MOVE.run(client, record=keys.batch(batch_id), start=",".join(start), to=to, stamp=_STAMPS[to], fields=flat)
+    block = webhook if to in ENDED else ""
+    return _MOVE.run(
+        client,
+        record=keys.batch(batch_id),
+        start=",".join(start),
+        to=to,
+        stamp=_STAMPS[to],
+        webhooks=block,
+        fields=flat,
+    )
 
 
 @dataclass

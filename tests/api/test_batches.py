@@ -1,11 +1,12 @@
 """/v1/batches through the official openai SDK, on an API with keys beside the session's stack (whose worker serves
 the model the lines name): a good file goes in progress, each bad line fails the batch naming it, bad create fields
-are 400s that create nothing, a cancel ends in `cancelled`, lists page newest first, and another key's batch is not
-found."""
+are 400s that create nothing, a cancel ends in `cancelled`, lists page newest first, another key's batch is not
+found, and a batch's end sends OpenAI's signed batch.* webhook."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,10 +17,12 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from chatq.cli import webhooks_command
 from chatq.core import keys
 from chatq.core.settings import Settings
 from chatq.embedded_redis import free_port
-from tests.helpers import assert_error, running_api
+from tests.helpers import ROOT, _env, assert_error, running_api
+from tests.worker.test_webhooks import SECRET, Receiver, serve
 
 KEY_A, KEY_B = "batches-key-a-0123", "batches-key-b-4567"
 
@@ -186,3 +189,42 @@ def test_a_batch_past_its_window_expires(
         batch = client.batches.retrieve(created.id)
         assert batch.status == "expired" and batch.expired_at is not None, batch
         assert client.batches.cancel(created.id).status == "expired"  # an ended batch stays as it ended
+
+
+def test_a_batchs_end_sends_openais_signed_webhook(
+    stack: str, settings: Settings, model_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    receiver = Receiver()
+    server = serve(receiver, timeout=5)
+    hooked = settings.model_copy(
+        update={
+            "api_port": free_port(),
+            "webhook_urls": f"http://127.0.0.1:{server.server_address[1]}/hook",
+            "webhook_secret": SecretStr(SECRET),
+        }
+    )
+    logs = tmp_path_factory.mktemp("batches-webhook-logs")
+    with (
+        open(logs / "webhooks.log", "wb") as out,
+        subprocess.Popen(webhooks_command(hooked), env=_env(hooked), cwd=ROOT, stdout=out, stderr=out) as sender,
+    ):
+        try:
+            with running_api(hooked, logs) as url:
+                client = sdk(url, "unused")
+                good = upload(client, [chat_line("a", model_name)])
+                kept = client.batches.create(
+                    input_file_id=good, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                client.batches.cancel(kept.id)
+                bad = upload(client, ["not json"])
+                failed = client.batches.create(
+                    input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                assert settle(client, failed.id).status == "failed"
+                [cancelled_hook] = receiver.wait(kept.id)
+                [failed_hook] = receiver.wait(failed.id)
+        finally:
+            sender.terminate()
+            server.shutdown()
+    assert (cancelled_hook.type, failed_hook.type) == ("batch.cancelled", "batch.failed")
+    assert receiver.unverified == []
