@@ -28,6 +28,8 @@ BODIES: dict[str, type[BaseModel]] = {
 WINDOWS = {"24h": 86400}
 # OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512.
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+# OpenAI's statuses of a batch.
+STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 # Statuses a batch may be cancelled from, and those it ends in.
 CANCELLABLE = ("validating", "in_progress")
 ENDED = ("failed", "completed", "expired", "cancelled")
@@ -161,11 +163,12 @@ class Batch:
         )
 
 
-# Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated); `fields`
-# are set with it, and the webhook messages (webhooks.WebhookMessages.block, "" for none) of an end are pushed with
-# it, so no end is lost before its webhook. 1 if it moved: two processes never both make the same move.
+# Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated). With it:
+# `fields` are set, the count of batches in each status follows, and an end's webhook messages
+# (webhooks.WebhookMessages.block, "" for none) are pushed, so no end is lost before its webhook. 1 if it moved: two
+# processes never both make the same move.
 _MOVE = Script(
-    keys=("record",),
+    keys=("record", "statuses"),
     args=("start", "to", "stamp", "webhooks"),
     tail="fields",
     body="""
@@ -175,6 +178,8 @@ if not status or not string.find(',' .. start .. ',', ',' .. status .. ',', 1, t
 end
 local t = redis.call('TIME')
 redis.call('HSET', record, 'status', to, stamp, t[1])
+redis.call('HINCRBY', statuses, status, -1)
+redis.call('HINCRBY', statuses, to, 1)
 if #fields > 0 then
   redis.call('HSET', record, unpack(fields))
 end
@@ -193,6 +198,7 @@ def create(client: Client, batch: Batch, listed_at: float) -> Any:
     fields: dict[Any, Any] = batch.to_redis()
     pipe.hset(keys.batch(batch.id), mapping=fields)
     pipe.zadd(keys.owner_batches(batch.owner), {batch.id: listed_at})
+    pipe.hincrby(keys.batch_statuses(), batch.status, 1)
     return pipe.execute()
 
 
@@ -205,6 +211,7 @@ def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, webhook
     return _MOVE.run(
         client,
         record=keys.batch(batch_id),
+        statuses=keys.batch_statuses(),
         start=",".join(start),
         to=to,
         stamp=_STAMPS[to],

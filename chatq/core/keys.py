@@ -88,6 +88,11 @@ def owner_batches(owner: str) -> str:
     return f"{PREFIX}:owner:{owner}:batches"
 
 
+def batch_statuses() -> str:
+    """How many batches are in each status, for /metrics."""
+    return f"{PREFIX}:batches:statuses"
+
+
 def files_due() -> str:
     """Files whose bytes are to leave the store, each at its score: those that expire, those deleted, and uploads not
     yet recorded, at the end of their lease."""
@@ -187,6 +192,12 @@ LAYOUT = (
         "`output_file_id`, `error_file_id`, and as JSON `metadata`, `errors`, `counts`, `usage`",
     ),
     Entry((owner_batches("{owner}"),), "zset", "that owner's batch ids, scored by creation time: `GET /v1/batches`"),
+    Entry(
+        (batch_statuses(),),
+        "hash",
+        "how many batches are in each status (`validating`, `in_progress`, ...), kept by the script that moves "
+        "them; read by `/metrics`",
+    ),
     Entry(
         (metrics("{model}"),),
         "hash",

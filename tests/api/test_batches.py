@@ -6,6 +6,7 @@ found, and a batch's end sends OpenAI's signed batch.* webhook."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -228,3 +229,33 @@ def test_a_batchs_end_sends_openais_signed_webhook(
             server.shutdown()
     assert (cancelled_hook.type, failed_hook.type) == ("batch.cancelled", "batch.failed")
     assert receiver.unverified == []
+
+
+def test_metrics_count_batches_by_status(base: str, model_name: str) -> None:
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics").text
+        found = re.findall(r'^chatq:batches\{status="(\w+)"\} (\S+)$', text, re.M)
+        return {status: float(value) for status, value in found}
+
+    before = counts()
+    assert set(before) == {
+        "validating",
+        "failed",
+        "in_progress",
+        "finalizing",
+        "completed",
+        "expired",
+        "cancelling",
+        "cancelled",
+    }
+    client = sdk(base)
+    batch = client.batches.create(
+        input_file_id=upload(client, [chat_line("a", model_name)]),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    settle(client, batch.id)
+    client.batches.cancel(batch.id)
+    after = counts()
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert (after["validating"], after["in_progress"]) == (before["validating"], before["in_progress"])

@@ -30,6 +30,7 @@ EXAMPLES = {
     keys.files_due: (),
     keys.batch: ("batch_abc",),
     keys.owner_batches: ("0f",),
+    keys.batch_statuses: (),
     keys.celery_queue: ("m",),
     keys.celery_lane: (keys.celery_queue("m"), 3),
     keys.webhook_queue: (),
