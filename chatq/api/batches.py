@@ -70,7 +70,7 @@ class Batches:
     def __init__(self, client: aioredis.Redis, files: Files, models: Models):
         self.redis, self.files, self.models = client, files, models
         self.webhooks = WebhookMessages.of(files.settings)
-        self._detached: set[asyncio.Task[None]] = set()
+        self._validating: dict[str, asyncio.Task[None]] = {}
 
     async def create(self, body: BatchCreate, owner: str) -> Batch:
         """Records a batch of the owner's `batch` file and starts checking its lines; a bad field is a 400."""
@@ -99,11 +99,17 @@ class Batches:
             metadata=body.metadata,
         )
         await batches.create(self.redis, batch, listed_at)
-        task = asyncio.create_task(self.validate(batch))
-        self._detached.add(task)
-        task.add_done_callback(self._detached.discard)
+        self._start_validating(batch)
         log.info("batch %s created from %s", batch.id, record.id)
         return batch
+
+    def _start_validating(self, batch: Batch) -> None:
+        """Checks the batch's lines in a task of this process, unless one already does."""
+        if batch.id in self._validating:
+            return
+        task = asyncio.create_task(self.validate(batch))
+        self._validating[batch.id] = task
+        task.add_done_callback(lambda _: self._validating.pop(batch.id, None))
 
     async def validate(self, batch: Batch) -> None:
         """Checks every line of the batch's input file: the batch goes in progress, or fails naming its bad lines."""
@@ -167,7 +173,10 @@ class Batches:
         return await self._expire(Batch.from_redis(h))
 
     async def _expire(self, batch: Batch) -> Batch:
-        """The batch, `expired` if its window has passed before it ended; whichever reader sees that first moves it."""
+        """The batch, `expired` if its window has passed before it ended; whichever reader sees that first moves it.
+        One left `validating` by an API that stopped is checked again here: only one check's move takes."""
+        if batch.status == "validating" and batch.expires_at > time.time():
+            self._start_validating(batch)
         if batch.status not in batches.CANCELLABLE or batch.expires_at > time.time():
             return batch
         await batches.move(self.redis, batch.id, batches.CANCELLABLE, "expired", self._webhook(batch.id))

@@ -18,8 +18,10 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from chatq.api.auth import key_hash
 from chatq.cli import webhooks_command
 from chatq.core import keys
+from chatq.core.batches import Batch, create, new_id
 from chatq.core.settings import Settings
 from chatq.embedded_redis import free_port
 from tests.helpers import ROOT, _env, assert_error, running_api
@@ -259,3 +261,25 @@ def test_metrics_count_batches_by_status(base: str, model_name: str) -> None:
     after = counts()
     assert after["cancelled"] == before["cancelled"] + 1
     assert (after["validating"], after["in_progress"]) == (before["validating"], before["in_progress"])
+
+
+def test_a_batch_left_validating_by_a_stopped_api_is_checked_when_read(
+    base: str, model_name: str, r: redis.Redis
+) -> None:
+    client = sdk(base)
+    file_id = upload(client, [chat_line("a", model_name), chat_line("b", model_name)])
+    # The record as an API writes it before it starts checking the lines, the check never run.
+    now = int(time.time())
+    orphan = Batch(
+        id=new_id(),
+        owner=key_hash(KEY_A),
+        endpoint="/v1/chat/completions",
+        input_file_id=file_id,
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    create(r, orphan, time.time())
+    assert r.hget(keys.batch(orphan.id), "status") == "validating"
+    batch = settle(client, orphan.id)
+    assert batch.status == "in_progress" and batch.request_counts is not None and batch.request_counts.total == 2
