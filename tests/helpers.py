@@ -117,6 +117,7 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_MAX_QUEUED=str(settings.max_queued),
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
         CHATQ_LOG_FORMAT=settings.log_format,
+        CHATQ_BATCH_WINDOW=str(settings.batch_window),
         CHATQ_WORKER_METRICS_PORT=str(settings.worker_metrics_port),
         CHATQ_OVERRIDE_GENERATION_CONFIG=json.dumps(settings.override_generation_config or UNPENALISED),
         PYTHONUNBUFFERED="1",

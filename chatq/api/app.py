@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import errors, files, metrics, responses
+from chatq.api import batches, errors, files, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
@@ -50,6 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
     service = Service(settings, client, store, Relay(client, settings.redis_url), Models(client, settings))
     api_keys = Keys(settings)
     stored = files.Files(client, file_store(settings), settings)
+    batch_service = batches.Batches(client, stored, service.models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +69,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.service = service
     app.state.keys = api_keys
     app.state.files = stored
+    app.state.batches = batch_service
     # The app's own registry, not the global one: each app counts its own requests (tests build several).
     app.state.metrics_registry = registry = CollectorRegistry()
     app.add_middleware(metrics.HTTPMetrics, requests=metrics.http_counter(registry))
@@ -79,6 +81,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     app.include_router(responses.router)
     app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.

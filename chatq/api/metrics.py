@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatq.core import keys
 from chatq.core import metrics as m
+from chatq.core.batches import STATUSES
 
 LABELS = ["model_name"]
 UNMATCHED = "unmatched"  # the route label of a path no route has: the paths themselves would be unbounded
@@ -76,7 +77,7 @@ def http_counter(registry: CollectorRegistry) -> Counter:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     service = request.app.state.service
-    families = await read_models(service.redis, service.settings.model_name)
+    families = await read_models(service.redis, service.settings.model_name) + await read_batches(service.redis)
     scrape = _Scrape([request.app.state.metrics_registry, families])
     return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
@@ -93,6 +94,15 @@ async def read_models(client: aioredis.Redis, default_model: str) -> list[Metric
     replies: list[Any] = await pipe.execute()
     readings = [(model, *replies[3 * i : 3 * i + 3]) for i, model in enumerate(models)]
     return [*_gauges(readings), *_finished(readings)]
+
+
+async def read_batches(client: aioredis.Redis) -> list[Metric]:
+    """How many batches are in each status."""
+    counts: dict[str, str] = await client.hgetall(keys.batch_statuses())  # type: ignore[assignment,misc]
+    gauge = GaugeMetricFamily(m.PREFIX + "batches", "Batches in each status.", labels=["status"])
+    for status in STATUSES:
+        gauge.add_metric([status], max(0, int(counts.get(status) or 0)))
+    return [gauge]
 
 
 def _gauges(readings: list[tuple[str, int, int, dict[str, str]]]) -> Iterator[Metric]:

@@ -60,6 +60,12 @@ class FileNotFound(NotFound):
         super().__init__(f"No such File object: {shown}", param)
 
 
+class BatchNotFound(NotFound):
+    def __init__(self, batch_id: str, param: str = "batch_id"):
+        shown = batch_id if len(batch_id) <= 200 else batch_id[:200] + "..."
+        super().__init__(f"No such Batch object: {shown}", param)
+
+
 class JobGone(NotFound):
     """A stream whose job was deleted or expired while it was open or before it resumed."""
 

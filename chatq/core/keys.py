@@ -79,6 +79,20 @@ def owner_files(owner: str) -> str:
     return f"{PREFIX}:owner:{owner}:files"
 
 
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def owner_batches(owner: str) -> str:
+    """The ids of an owner's batches, for GET /v1/batches."""
+    return f"{PREFIX}:owner:{owner}:batches"
+
+
+def batch_statuses() -> str:
+    """How many batches are in each status, for /metrics."""
+    return f"{PREFIX}:batches:statuses"
+
+
 def files_due() -> str:
     """Files whose bytes are to leave the store, each at its score: those that expire, those deleted, and uploads not
     yet recorded, at the end of their lease."""
@@ -169,6 +183,20 @@ LAYOUT = (
         "zset",
         "file ids whose bytes are to be deleted from the store at their score: an expiry, `0` for a file deleted or "
         "being reaped, an unfinished upload's lease; the API's sweep deletes them",
+    ),
+    Entry(
+        (batch("{id}"),),
+        "hash",
+        "a batch's record (`chatq/core/batches.py`): `id`, `owner`, `endpoint`, `input_file_id`, "
+        "`completion_window`, `status`, `created_at`, `expires_at`, one `{status}_at` per status reached, `model`, "
+        "`output_file_id`, `error_file_id`, and as JSON `metadata`, `errors`, `counts`, `usage`",
+    ),
+    Entry((owner_batches("{owner}"),), "zset", "that owner's batch ids, scored by creation time: `GET /v1/batches`"),
+    Entry(
+        (batch_statuses(),),
+        "hash",
+        "how many batches are in each status (`validating`, `in_progress`, ...), kept by the script that moves "
+        "them; read by `/metrics`",
     ),
     Entry(
         (metrics("{model}"),),

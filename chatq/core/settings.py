@@ -165,6 +165,9 @@ class Settings(BaseSettings):
     files_min_expiry: Positive = 3600
     # Seconds between an API's sweeps for expired files, whose bytes each sweep deletes from the store.
     files_sweep_interval: Annotated[float, Field(gt=0)] = 60.0
+    # Batches (/v1/batches, docs/batches.md#batches): seconds a batch has to finish before it expires, in place of
+    # its `completion_window` (so tests can watch one expire); 0: the window it asked for.
+    batch_window: NonNegative = 0
 
     @field_validator("flower_auth")
     @classmethod

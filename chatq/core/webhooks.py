@@ -22,15 +22,18 @@ WEBHOOK_TASK = "chatq.webhook"
 
 # The event type's first part, by the job's kind: OpenAI's for responses; for chat and legacy completions the name
 # of their object, which OpenAI sends no webhooks for.
-EVENT_PREFIXES = {"response": "response", "chat": "chat.completion", "text": "text_completion"}
+EVENT_PREFIXES = {"response": "response", "chat": "chat.completion", "text": "text_completion", "batch": "batch"}
 END_STATUSES = ("completed", "failed", "cancelled", "incomplete")
+# A batch's ends, OpenAI's batch.* events.
+BATCH_END_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 
 def event_type(end: str) -> str | None:
     """The event type of a job's end as its script writes it ("<kind>.<status>"); None for one that sends none."""
     kind, _, status = end.partition(".")
     prefix = EVENT_PREFIXES.get(kind)
-    return f"{prefix}.{status}" if prefix and status in END_STATUSES else None
+    ends = BATCH_END_STATUSES if kind == "batch" else END_STATUSES
+    return f"{prefix}.{status}" if prefix and status in ends else None
 
 
 def thin_event(event_id: str, job_id: str, created_at: int, end: str) -> dict[str, Any] | None:

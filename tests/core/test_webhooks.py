@@ -119,7 +119,9 @@ def test_event_types_by_kind_and_status() -> None:
     assert event_type("response.incomplete") == "response.incomplete"
     assert event_type("chat.cancelled") == "chat.completion.cancelled"
     assert event_type("text.completed") == "text_completion.completed"
-    assert event_type("chat.in_progress") is None and event_type("batch.completed") is None
+    assert event_type("batch.expired") == "batch.expired" and event_type("batch.completed") == "batch.completed"
+    assert event_type("chat.in_progress") is None and event_type("unknown.completed") is None
+    assert event_type("chat.expired") is None and event_type("batch.incomplete") is None
 
 
 @pytest.mark.parametrize("secret", ["secret", "whsec_", "whsec_not base64!", "whsec_YWJ"])

@@ -1,0 +1,277 @@
+"""A batch's record in Redis (OpenAI's Batch object and its owner), the script that moves it between statuses, and
+the check of its input file's lines."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ValidationError
+
+from chatq.core import keys
+from chatq.core.files import BATCH_LINES
+from chatq.core.requests import ChatCompletionRequest, CompletionRequest
+from chatq.core.responses_request import ResponsesRequest
+from chatq.core.scripts import Script
+
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+ENDPOINTS: tuple[str, ...] = get_args(Endpoint)
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
+}
+WINDOWS = {"24h": 86400}
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512.
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+# OpenAI's statuses of a batch.
+STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
+# Statuses a batch may be cancelled from, and those it ends in.
+CANCELLABLE = ("validating", "in_progress")
+ENDED = ("failed", "completed", "expired", "cancelled")
+# Line errors kept on a failed batch: enough to fix a file by, bounded so one bad file cannot fill a record.
+MAX_ERRORS = 1000
+
+Client = redis.Redis | aioredis.Redis
+
+
+def new_id() -> str:
+    return "batch_" + uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class LineError:
+    """One of OpenAI's BatchError entries: what is wrong with which line of the input file (1-based)."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+_TIMES = (
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+_STAMPS = {
+    "in_progress": "in_progress_at",
+    "finalizing": "finalizing_at",
+    "completed": "completed_at",
+    "failed": "failed_at",
+    "expired": "expired_at",
+    "cancelling": "cancelling_at",
+    "cancelled": "cancelled_at",
+}
+
+
+@dataclass
+class Batch:
+    """A batch as Redis keeps it: every field of OpenAI's Batch, and its owner."""
+
+    id: str
+    owner: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    status: str = "validating"
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    counts: dict[str, int] = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
+    usage: dict[str, Any] | None = None
+    times: dict[str, int | None] = field(default_factory=dict)
+
+    def to_redis(self) -> dict[str, str]:
+        plain = {
+            "id": self.id,
+            "owner": self.owner,
+            "endpoint": self.endpoint,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "created_at": str(self.created_at),
+            "expires_at": str(self.expires_at),
+            "status": self.status,
+            "model": self.model or "",
+            "output_file_id": self.output_file_id or "",
+            "error_file_id": self.error_file_id or "",
+        }
+        packed = {"metadata": self.metadata, "errors": self.errors, "counts": self.counts, "usage": self.usage}
+        return plain | {k: json.dumps(v) for k, v in packed.items()}
+
+    @classmethod
+    def from_redis(cls, h: dict[str, str]) -> Batch:
+        times = {name: int(h[name]) if h.get(name) else None for name in _TIMES if name != "expires_at"}
+        return cls(
+            id=h["id"],
+            owner=h.get("owner", ""),
+            endpoint=h["endpoint"],
+            input_file_id=h["input_file_id"],
+            completion_window=h["completion_window"],
+            created_at=int(h["created_at"]),
+            expires_at=int(h["expires_at"]),
+            status=h["status"],
+            metadata=json.loads(h.get("metadata") or "null"),
+            model=h.get("model") or None,
+            output_file_id=h.get("output_file_id") or None,
+            error_file_id=h.get("error_file_id") or None,
+            errors=json.loads(h.get("errors") or "null"),
+            counts=json.loads(h.get("counts") or "null") or {"total": 0, "completed": 0, "failed": 0},
+            usage=json.loads(h.get("usage") or "null"),
+            times=times,
+        )
+
+    def view(self) -> dict[str, Any]:
+        """OpenAI's Batch object."""
+        errors = None if self.errors is None else {"object": "list", "data": self.errors}
+        stamps = {name: self.times.get(name) for name in _TIMES}
+        return (
+            {
+                "id": self.id,
+                "object": "batch",
+                "endpoint": self.endpoint,
+                "model": self.model,
+                "errors": errors,
+                "input_file_id": self.input_file_id,
+                "completion_window": self.completion_window,
+                "status": self.status,
+                "output_file_id": self.output_file_id,
+                "error_file_id": self.error_file_id,
+                "created_at": self.created_at,
+                "request_counts": self.counts,
+                "metadata": self.metadata,
+                "usage": self.usage,
+            }
+            | stamps
+            | {"expires_at": self.expires_at}
+        )
+
+
+# Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated). With it:
+# `fields` are set, the count of batches in each status follows, and an end's webhook messages
+# (webhooks.WebhookMessages.block, "" for none) are pushed, so no end is lost before its webhook. 1 if it moved: two
+# processes never both make the same move.
+_MOVE = Script(
+    keys=("record", "statuses"),
+    args=("start", "to", "stamp", "webhooks"),
+    tail="fields",
+    body="""
+local status = redis.call('HGET', record, 'status')
+if not status or not string.find(',' .. start .. ',', ',' .. status .. ',', 1, true) then
+  return 0
+end
+local t = redis.call('TIME')
+redis.call('HSET', record, 'status', to, stamp, t[1])
+redis.call('HINCRBY', statuses, status, -1)
+redis.call('HINCRBY', statuses, to, 1)
+if #fields > 0 then
+  redis.call('HSET', record, unpack(fields))
+end
+if webhooks ~= '' and string.match(to, '^[%w_]+$') then
+  local w = cjson.decode(webhooks)
+  for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. 'batch.' .. to .. m[2]) end
+end
+return 1
+""",
+)
+
+
+def create(client: Client, batch: Batch, listed_at: float) -> Any:
+    """Writes a new batch's record and lists it for its owner at `listed_at`, in one transaction."""
+    pipe = client.pipeline(transaction=True)
+    fields: dict[Any, Any] = batch.to_redis()
+    pipe.hset(keys.batch(batch.id), mapping=fields)
+    pipe.zadd(keys.owner_batches(batch.owner), {batch.id: listed_at})
+    pipe.hincrby(keys.batch_statuses(), batch.status, 1)
+    return pipe.execute()
+
+
+def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, webhook: str = "", **fields: Any) -> Any:
+    """Moves the batch to status `to` if it is in one of `start`, setting `fields` (JSON-encoded unless strings) and
+    pushing `webhook` (chatq.core.webhooks.WebhookMessages.block) if `to` is an end; true (awaited, for an asyncio
+    client) if it moved."""
+    flat = [x for k, v in fields.items() for x in (k, v if isinstance(v, str) else json.dumps(v))]
+    block = webhook if to in ENDED else ""
+    return _MOVE.run(
+        client,
+        record=keys.batch(batch_id),
+        statuses=keys.batch_statuses(),
+        start=",".join(start),
+        to=to,
+        stamp=_STAMPS[to],
+        webhooks=block,
+        fields=flat,
+    )
+
+
+@dataclass
+class LineCheck:
+    """The check of an input file's lines against a batch's endpoint: each line's own errors, the custom_ids seen,
+    and the models the lines name (each must be served: the caller checks them once the file is read)."""
+
+    endpoint: str
+    seen: set[str] = field(default_factory=set)
+    models: dict[str, int] = field(default_factory=dict)
+    lines: int = 0
+
+    def check(self, number: int, text: str) -> LineError | None:
+        """The first thing wrong with line `number` (1-based), or None."""
+        self.lines = number
+        if number > BATCH_LINES:
+            return LineError("too_many_requests", f"A batch holds at most {BATCH_LINES} requests.", number)
+        try:
+            line = json.loads(text)
+        except ValueError:
+            return LineError("invalid_json_line", "This line is not valid JSON.", number)
+        if not isinstance(line, dict):
+            return LineError("invalid_json_line", "This line is not a JSON object.", number)
+        return self._request(number, line)
+
+    def _request(self, number: int, line: dict[str, Any]) -> LineError | None:
+        custom_id = line.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            return LineError("missing_required_parameter", "A line needs a string custom_id.", number, "custom_id")
+        if custom_id in self.seen:
+            return LineError("duplicate_custom_id", f"The custom_id '{custom_id}' is used twice.", number, "custom_id")
+        self.seen.add(custom_id)
+        if line.get("method") != "POST":
+            return LineError("invalid_method", "The method of a batch request must be POST.", number, "method")
+        if line.get("url") != self.endpoint:
+            message = f"The url must be the batch's endpoint, {self.endpoint}."
+            return LineError("invalid_url", message, number, "url")
+        body = line.get("body")
+        if not isinstance(body, dict):
+            return LineError("invalid_request", "The body must be a JSON object.", number, "body")
+        for flag in ("stream", "background"):
+            if body.get(flag):
+                message = f"A batch request may not set {flag}."
+                return LineError("invalid_request", message, number, f"body.{flag}")
+        return self._body(number, body)
+
+    def _body(self, number: int, body: dict[str, Any]) -> LineError | None:
+        try:
+            request = BODIES[self.endpoint].model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            message = first.get("msg", "Invalid request").removeprefix("Value error, ")
+            return LineError("invalid_request", message, number, f"body.{param}" if param else "body")
+        model = getattr(request, "model", None) or ""
+        self.models.setdefault(model, number)
+        return None
