@@ -13,10 +13,11 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
 from chatq.core import keys
+from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.completion_request import CompletionRequest
 from chatq.core.files import BATCH_LINES
-from chatq.core.requests import ChatCompletionRequest, CompletionRequest
+from chatq.core.lua import Script
 from chatq.core.responses_request import ResponsesRequest
-from chatq.core.scripts import Script
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 ENDPOINTS: tuple[str, ...] = get_args(Endpoint)
