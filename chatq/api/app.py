@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +17,7 @@ from redis.backoff import ExponentialBackoff
 
 from chatq.api import batches, errors, files, metrics, responses
 from chatq.api.auth import Keys
+from chatq.api.batch_runner import BatchRunner
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
 from chatq.api.relay import Relay
@@ -51,16 +51,17 @@ def create_app(settings: Settings) -> FastAPI:
     api_keys = Keys(settings)
     stored = files.Files(client, file_store(settings), settings)
     batch_service = batches.Batches(client, stored, service.models)
+    runner = BatchRunner(service, batch_service.batch_files)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         api_keys.warn_if_open()
         gc_tuning.settle()
-        sweeper = asyncio.create_task(stored.sweeping())
+        background = [asyncio.create_task(stored.sweeping()), asyncio.create_task(runner.running())]
         yield
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await client.aclose()
         telemetry.shutdown()
         gc.unfreeze()

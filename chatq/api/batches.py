@@ -17,9 +17,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel
 
 from chatq.api.auth import Owner, authenticate
+from chatq.api.batch_files import BatchFiles
 from chatq.api.files import Files
 from chatq.api.models import Models
-from chatq.core import batches, keys
+from chatq.core import batches, files, keys
 from chatq.core.batches import Batch, LineCheck, LineError
 from chatq.core.errors import BadRequest, BatchNotFound, FileNotFound, ModelNotFound
 from chatq.core.filestore import chunks
@@ -55,6 +56,19 @@ def _check_metadata(metadata: dict[str, Any] | None) -> None:
             )
 
 
+def _check_expiry(expires_after: dict[str, Any] | None) -> int | None:
+    """The seconds `output_expires_after` gives the batch's output files, as the files' `expires_after` is read."""
+    if expires_after is None:
+        return None
+    seconds = expires_after.get("seconds")
+    if expires_after.get("anchor") != "created_at":
+        raise BadRequest("output_expires_after.anchor must be 'created_at'.", "output_expires_after.anchor")
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not 3600 <= seconds <= files.MAX_EXPIRY:
+        message = f"output_expires_after.seconds must be an integer from 3600 to {files.MAX_EXPIRY}."
+        raise BadRequest(message, "output_expires_after.seconds")
+    return seconds
+
+
 def _lines(stream: Iterator[bytes]) -> Iterator[str]:
     """The file's non-empty lines, decoded."""
     rest = b""
@@ -67,9 +81,10 @@ def _lines(stream: Iterator[bytes]) -> Iterator[str]:
 
 
 class Batches:
-    def __init__(self, client: aioredis.Redis, files: Files, models: Models):
-        self.redis, self.files, self.models = client, files, models
-        self.webhooks = WebhookMessages.of(files.settings)
+    def __init__(self, client: aioredis.Redis, stored: Files, models: Models):
+        self.redis, self.files, self.models = client, stored, models
+        self.batch_files = BatchFiles(stored)
+        self.webhooks = WebhookMessages.of(stored.settings)
         self._validating: dict[str, asyncio.Task[None]] = {}
 
     async def create(self, body: BatchCreate, owner: str) -> Batch:
@@ -79,6 +94,7 @@ class Batches:
         if body.completion_window not in batches.WINDOWS:
             raise BadRequest("completion_window must be '24h'.", "completion_window")
         _check_metadata(body.metadata)
+        output_expiry = _check_expiry(body.output_expires_after)
         try:
             record = await self.files.get(body.input_file_id, owner)
         except FileNotFound:
@@ -97,7 +113,9 @@ class Batches:
             created_at=now,
             expires_at=now + window,
             metadata=body.metadata,
+            output_expires_after=output_expiry,
         )
+        batch.webhooks = self._webhook(batch.id)
         await batches.create(self.redis, batch, listed_at)
         self._start_validating(batch)
         log.info("batch %s created from %s", batch.id, record.id)
@@ -121,13 +139,13 @@ class Batches:
             errors = await self._check_models(check)
         if errors:
             views = [e.view() for e in errors[: batches.MAX_ERRORS]]
-            await batches.move(self.redis, batch.id, ("validating",), "failed", self._webhook(batch.id), errors=views)
+            await batches.move(self.redis, batch.id, ("validating",), "failed", batch.webhooks, errors=views)
             log.info("batch %s failed validation: %d errors", batch.id, len(errors))
             return
         assert check is not None
-        counts = {"total": check.lines, "completed": 0, "failed": 0}
+        await self.batch_files.write_plan(batch, check.kept)
         model = next(iter(check.models))
-        await batches.move(self.redis, batch.id, ("validating",), "in_progress", counts=counts, model=model)
+        await batches.move(self.redis, batch.id, ("validating",), "in_progress", total=str(check.lines), model=model)
 
     async def _check_lines(self, batch: Batch) -> tuple[LineCheck, list[LineError]]:
         _, opened = await self.files.open(batch.input_file_id, batch.owner)
@@ -136,7 +154,9 @@ class Batches:
         def run() -> list[LineError]:
             found: list[LineError] = []
             for number, text in enumerate(_lines(chunks(opened)), start=1):
-                if (error := check.check(number, text)) is not None and len(found) < batches.MAX_ERRORS:
+                if (error := check.check(number, text)) is None:
+                    check.keep(number, text)
+                elif len(found) < batches.MAX_ERRORS:
                     found.append(error)
             return found
 
@@ -173,21 +193,21 @@ class Batches:
         return await self._expire(Batch.from_redis(h))
 
     async def _expire(self, batch: Batch) -> Batch:
-        """The batch, `expired` if its window has passed before it ended; whichever reader sees that first moves it.
-        One left `validating` by an API that stopped is checked again here: only one check's move takes."""
+        """The batch, `expired` if its window passed while it was checked; one left `validating` by an API that
+        stopped is checked again here (only one check's move takes). A batch in progress is its runner's to end."""
         if batch.status == "validating" and batch.expires_at > time.time():
             self._start_validating(batch)
-        if batch.status not in batches.CANCELLABLE or batch.expires_at > time.time():
+        if batch.status != "validating" or batch.expires_at > time.time():
             return batch
-        await batches.move(self.redis, batch.id, batches.CANCELLABLE, "expired", self._webhook(batch.id))
+        await batches.move(self.redis, batch.id, ("validating",), "expired", batch.webhooks)
         h: dict[str, str] = await self.redis.hgetall(keys.batch(batch.id))  # type: ignore[assignment,misc]
         return Batch.from_redis(h)
 
     async def cancel(self, batch_id: str, owner: str) -> Batch:
-        """Cancels a batch not yet ended: `cancelling`, then `cancelled` once none of its lines runs."""
+        """Cancels a batch not yet ended: `cancelling`, then (its runner moves it) `cancelled` once none of its
+        lines runs."""
         batch = await self.get(batch_id, owner)
         await batches.move(self.redis, batch.id, batches.CANCELLABLE, "cancelling")
-        await batches.move(self.redis, batch.id, ("cancelling",), "cancelled", self._webhook(batch.id))
         return await self.get(batch_id, owner)
 
     async def list(self, owner: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:

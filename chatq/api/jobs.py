@@ -25,7 +25,7 @@ from chatq.core.chunks import cancelled_while_queued
 from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
-from chatq.core.queue import celery_priority, task_fields, task_message
+from chatq.core.queue import BATCH_LANE, celery_priority, lane_score, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
 from chatq.core.settings import Settings
 from chatq.core.webhooks import WebhookMessages
@@ -92,10 +92,12 @@ class JobStore:
         idempotency_key: str | None = None,
         trace: Mapping[str, str] = {},  # noqa: B006  (read only)
         response: dict[str, Any] | None = None,
+        line: bool = False,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
         `idempotency_key` already names for this owner, with nothing enqueued. `prompts`: the prompt's ids, or each
-        of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace)."""
+        of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace). A batch's `line` goes
+        in the batch lane, unlisted and uncapped."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         job = Job(
@@ -110,14 +112,14 @@ class JobStore:
             response=response,
             cache_partition=cache_partition(owner, request.cache_salt, self.settings.share_prefix_cache),
         )
-        lane, now = celery_priority(request.priority, request.background), time.time()
-        # Scored by lane, then arrival, so a rank in this set is the job's place in the worker's pick order.
-        score = lane * 1e11 + now
+        lane = BATCH_LANE if line else celery_priority(request.priority, request.background)
+        now = time.time()
+        score = lane_score(lane, now)
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
         # `submitted`: where the job's latency metrics start (chatq.core.metrics); `created` has whole seconds.
         fields = self._record(job, owner) | task_fields(queue, message, now) | {"submitted": repr(now)}
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
-        listing = Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
+        listing = None if line else Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         done = await self._submit(job.id, model, fields, queue, message, score, idem, listing)
         if done.outcome is Outcome.existing:
             return Submission(await self._named(done.job_id, owner, kind, idempotency_key), None, created=False)
@@ -152,7 +154,7 @@ class JobStore:
         message: str,
         score: float,
         idem: str | None,
-        listing: Listing,
+        listing: Listing | None,
     ) -> api_scripts.Submitted:
         """api_scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
         that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""

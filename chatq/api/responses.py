@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -12,7 +13,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from chatq.api.auth import Owner, authenticate
-from chatq.api.errors import job_error_response
 from chatq.api.routes import (
     MAX_SEQ,
     JSONRoute,
@@ -25,6 +25,7 @@ from chatq.api.routes import (
 )
 from chatq.api.sse import EventStream, event_stream
 from chatq.core import telemetry
+from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
 from chatq.core.job import Job, JobStatus
 from chatq.core.response_events import ResponseEvents
@@ -59,33 +60,55 @@ async def _history(svc: Service, body: ResponsesRequest, owner: str) -> list[dic
     return [*stored.get("context", []), *stored.get("input", []), *output]
 
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+@dataclass(frozen=True)
+class Prepared:
+    """A response's chat job, ready to submit: its model, chat request and prompt, and the response's own fields."""
+
+    model: str
+    chat: ChatCompletionRequest
+    prompt_ids: list[int]
+    stored: dict[str, Any]
+
+
+async def prepare(svc: Service, body: ResponsesRequest, owner: str, response_id: str) -> Prepared:
+    """The chat job that answers `body` as response `response_id`."""
     if body.background and not body.store:
         raise BadRequest("A background response must be stored: background needs store true.", "store")
     model = await svc.models.get(body.model, need_worker=not body.background)
-    context = await _history(svc, body, sub.owner)
-    # The id is chosen here, so the input items' ids can carry it.
-    response_id = "resp_" + (sub.request_id or uuid.uuid4().hex)
+    context = await _history(svc, body, owner)
     items = input_items(body, response_id)
     chat, names = chat_request(body, context, items)
     with names.renaming_errors():
         prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
-    stored = {"request": body.echo(), "input": items, "context": context}
+    return Prepared(model.name, chat, prompt_ids, {"request": body.echo(), "input": items, "context": context})
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
+    # The id is chosen here, so the input items' ids can carry it.
+    request_id = sub.request_id or uuid.uuid4().hex
+    ready = await prepare(svc, body, sub.owner, "resp_" + request_id)
     job, _, created = await svc.store.submit(
-        chat,
+        ready.chat,
         "response",
-        model.name,
-        [prompt_ids],
-        response_id.removeprefix("resp_"),
+        ready.model,
+        [ready.prompt_ids],
+        request_id,
         sub.owner,
         sub.idempotency_key,
         telemetry.job_trace(request.headers),
-        response=stored,
+        response=ready.stored,
     )
     answer = await _answer(svc, body, job, request, created and not body.background)
     answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`
     return answer
+
+
+def answered(job: Job) -> tuple[int, dict[str, Any]]:
+    """An ended response job's HTTP status and body: the request's fault is answered as chat's is."""
+    if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
+        return int(job.error.get("code") or 400), {"error": job.error}
+    return 200, response_object(job)
 
 
 async def _answer(svc: Service, body: ResponsesRequest, job: Job, request: Request, cancels: bool) -> Response:
@@ -95,10 +118,8 @@ async def _answer(svc: Service, body: ResponsesRequest, job: Job, request: Reque
     if body.background:
         return JSONResponse(response_object(job))
     await done_or_disconnected(svc, job.id, request, cancels)
-    job = await svc.store.get(job.id)
-    if job.status is JobStatus.failed and job.error and job.error.get("type") == "BadRequestError":
-        return job_error_response(job.error)  # the request's fault, answered as chat's is
-    return JSONResponse(response_object(job))
+    status, payload = answered(await svc.store.get(job.id))
+    return JSONResponse(payload, status_code=status)
 
 
 @router.get("/v1/responses/{response_id}")

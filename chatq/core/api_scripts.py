@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from chatq.core import keys
 from chatq.core.job import Event
 from chatq.core.lua import EXTEND, PUSH_WEBHOOKS, Script, flat
+from chatq.core.queue import BATCH_LANE, lane_score
 
 # Returns {"queued", rank}, {"existing", id}, {"full"} or {"taken"}. The idempotent job's record key is completed
 # from the idempotency key's value, which Redis Cluster forbids (as the cancel script does).
@@ -29,6 +30,7 @@ _SUBMIT = Script(
         "score",
         "task",  # the Celery task message
         "max_queued",  # the cap on queued jobs; 0: none
+        "batch_floor",  # the lowest score of a batch line, which the cap does not count
         "job_prefix",  # keys.job("")
         "has_idem",  # "1" when the request has an idempotency key
         "listed",  # "1" when the job is listed
@@ -50,7 +52,7 @@ if has_idem == '1' then
 end
 if redis.call('EXISTS', job) == 1 then return {'taken'} end
 local cap = tonumber(max_queued)
-if cap > 0 and redis.call('ZCARD', queued) >= cap then return {'full'} end
+if cap > 0 and redis.call('ZCOUNT', queued, '-inf', '(' .. batch_floor) >= cap then return {'full'} end
 redis.call('HSET', job, 'id', job_id, unpack(fields))
 redis.call('ZADD', queued, score, job_id)
 redis.call('LPUSH', task_queue, task)
@@ -104,10 +106,11 @@ async def submit(
     """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get.
 
     In the same step: a job the idempotency key already names is answered instead, a queue holding `max_queued`
-    waiting jobs refuses it (so many APIs together never overshoot), and a taken id is refused (a repeated
-    request_id never overwrites a job). `idem` is the idempotency key's Redis key (keys.idempotency); it is the
-    record's `idem` field too, set with no expiry: the job's end expires it. With a `listing`, the job joins its
-    owner's list (named in the record's `index`), whose oldest jobs past `listing.keep` leave it.
+    waiting jobs (batch lines aside: their runners bound them) refuses it (so many APIs together never overshoot),
+    and a taken id is refused (a repeated request_id never overwrites a job). `idem` is the idempotency key's Redis
+    key (keys.idempotency); it is the record's `idem` field too, set with no expiry: the job's end expires it. With a
+    `listing`, the job joins its owner's list (named in the record's `index`), whose oldest jobs past `listing.keep`
+    leave it.
     """
     fields = {**record, "idem": idem} if idem else dict(record)
     if listing is not None:
@@ -125,6 +128,7 @@ async def submit(
         score=score,
         task=message,
         max_queued=max_queued,
+        batch_floor=lane_score(BATCH_LANE, 0),
         job_prefix=keys.job(""),
         has_idem="1" if idem else "0",
         listed="1" if listing else "0",

@@ -34,6 +34,9 @@ STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "e
 # Statuses a batch may be cancelled from, and those it ends in.
 CANCELLABLE = ("validating", "in_progress")
 ENDED = ("failed", "completed", "expired", "cancelled")
+# request_counts, and the token totals `usage` is made of: plain fields of the record, so scripts add to them.
+COUNTS = ("total", "completed", "failed")
+TOKENS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 # Line errors kept on a failed batch: enough to fix a file by, bounded so one bad file cannot fill a record.
 MAX_ERRORS = 1000
 
@@ -95,8 +98,13 @@ class Batch:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
-    counts: dict[str, int] = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
-    usage: dict[str, Any] | None = None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKENS, 0))
+    released: int = 0  # lines of the plan released into the queue so far
+    output_expires_after: int | None = None  # seconds the output and error files last
+    # The webhook messages its end sends (webhooks.WebhookMessages.block; "" for none), as the API that created it
+    # was configured: whichever API ends it sends them.
+    webhooks: str = ""
     times: dict[str, int | None] = field(default_factory=dict)
 
     def to_redis(self) -> dict[str, str]:
@@ -112,9 +120,12 @@ class Batch:
             "model": self.model or "",
             "output_file_id": self.output_file_id or "",
             "error_file_id": self.error_file_id or "",
+            "output_expires_after": "" if self.output_expires_after is None else str(self.output_expires_after),
+            "webhooks": self.webhooks,
         }
-        packed = {"metadata": self.metadata, "errors": self.errors, "counts": self.counts, "usage": self.usage}
-        return plain | {k: json.dumps(v) for k, v in packed.items()}
+        numbers = {k: str(v) for k, v in (self.counts | self.tokens | {"released": self.released}).items()}
+        packed = {"metadata": self.metadata, "errors": self.errors}
+        return plain | numbers | {k: json.dumps(v) for k, v in packed.items()}
 
     @classmethod
     def from_redis(cls, h: dict[str, str]) -> Batch:
@@ -133,10 +144,26 @@ class Batch:
             output_file_id=h.get("output_file_id") or None,
             error_file_id=h.get("error_file_id") or None,
             errors=json.loads(h.get("errors") or "null"),
-            counts=json.loads(h.get("counts") or "null") or {"total": 0, "completed": 0, "failed": 0},
-            usage=json.loads(h.get("usage") or "null"),
+            counts={k: int(h.get(k) or 0) for k in COUNTS},
+            tokens={k: int(h.get(k) or 0) for k in TOKENS},
+            released=int(h.get("released") or 0),
+            output_expires_after=int(h["output_expires_after"]) if h.get("output_expires_after") else None,
+            webhooks=h.get("webhooks", ""),
             times=times,
         )
+
+    def usage(self) -> dict[str, Any] | None:
+        """OpenAI's BatchUsage: the tokens of the lines answered so far; none before the batch runs."""
+        if self.status in ("validating", "failed"):
+            return None
+        t = self.tokens
+        return {
+            "input_tokens": t["input_tokens"],
+            "input_tokens_details": {"cached_tokens": t["cached_tokens"]},
+            "output_tokens": t["output_tokens"],
+            "output_tokens_details": {"reasoning_tokens": t["reasoning_tokens"]},
+            "total_tokens": t["input_tokens"] + t["output_tokens"],
+        }
 
     def view(self) -> dict[str, Any]:
         """OpenAI's Batch object."""
@@ -157,7 +184,7 @@ class Batch:
                 "created_at": self.created_at,
                 "request_counts": self.counts,
                 "metadata": self.metadata,
-                "usage": self.usage,
+                "usage": self.usage(),
             }
             | stamps
             | {"expires_at": self.expires_at}
@@ -165,12 +192,12 @@ class Batch:
 
 
 # Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated). With it:
-# `fields` are set, the count of batches in each status follows, and an end's webhook messages
-# (webhooks.WebhookMessages.block, "" for none) are pushed, so no end is lost before its webhook. 1 if it moved: two
-# processes never both make the same move.
+# `fields` are set, the count of batches in each status follows, a batch that has lines to run from now on joins the
+# batches the APIs run (`run` "1"), and an end's webhook messages (webhooks.WebhookMessages.block, "" for none) are
+# pushed, so no end is lost before its webhook. 1 if it moved: two processes never both make the same move.
 _MOVE = Script(
-    keys=("record", "statuses"),
-    args=("start", "to", "stamp", "webhooks"),
+    keys=("record", "statuses", "running"),
+    args=("batch_id", "start", "to", "stamp", "run", "webhooks"),
     tail="fields",
     body="""
 local status = redis.call('HGET', record, 'status')
@@ -184,6 +211,9 @@ redis.call('HINCRBY', statuses, to, 1)
 if #fields > 0 then
   redis.call('HSET', record, unpack(fields))
 end
+if run == '1' then
+  redis.call('ZADD', running, 'NX', t[1], batch_id)
+end
 if webhooks ~= '' and string.match(to, '^[%w_]+$') then
   local w = cjson.decode(webhooks)
   for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. 'batch.' .. to .. m[2]) end
@@ -191,6 +221,8 @@ end
 return 1
 """,
 )
+# The statuses of a batch with lines to run or end, which an API's batch runner takes up.
+RUNNING = ("in_progress", "cancelling", "finalizing")
 
 
 def create(client: Client, batch: Batch, listed_at: float) -> Any:
@@ -206,16 +238,19 @@ def create(client: Client, batch: Batch, listed_at: float) -> Any:
 def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, webhook: str = "", **fields: Any) -> Any:
     """Moves the batch to status `to` if it is in one of `start`, setting `fields` (JSON-encoded unless strings) and
     pushing `webhook` (chatq.core.webhooks.WebhookMessages.block) if `to` is an end; true (awaited, for an asyncio
-    client) if it moved."""
+    client) if it moved. A batch moved in progress or cancelling joins the batches the APIs run."""
     flat = [x for k, v in fields.items() for x in (k, v if isinstance(v, str) else json.dumps(v))]
     block = webhook if to in ENDED else ""
     return _MOVE.run(
         client,
         record=keys.batch(batch_id),
         statuses=keys.batch_statuses(),
+        running=keys.batches_running(),
+        batch_id=batch_id,
         start=",".join(start),
         to=to,
         stamp=_STAMPS[to],
+        run="1" if to in ("in_progress", "cancelling") else "",
         webhooks=block,
         fields=flat,
     )
@@ -230,6 +265,7 @@ class LineCheck:
     seen: set[str] = field(default_factory=set)
     models: dict[str, int] = field(default_factory=dict)
     lines: int = 0
+    kept: list[tuple[int, str]] = field(default_factory=list)  # the lines that passed, as (number, text)
 
     def check(self, number: int, text: str) -> LineError | None:
         """The first thing wrong with line `number` (1-based), or None."""
@@ -276,3 +312,6 @@ class LineCheck:
         model = getattr(request, "model", None) or ""
         self.models.setdefault(model, number)
         return None
+
+    def keep(self, number: int, text: str) -> None:
+        self.kept.append((number, text))

@@ -8,6 +8,8 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 
+from chatq.core.queue import PRIORITY_LANES
+
 
 class _Channel(kombu_redis.Channel):
     """kombu's Redis channel, building one client per connection pool instead of one per call.
@@ -18,6 +20,8 @@ class _Channel(kombu_redis.Channel):
     """
 
     _client: Any = None
+    # kombu clamps a message's priority to 0..9 where it puts one back (a lost worker's): chatq has one lane more.
+    max_priority = PRIORITY_LANES - 1
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if self.connection is None or self.connection.client is None:

@@ -93,6 +93,31 @@ def batch_statuses() -> str:
     return f"{PREFIX}:batches:statuses"
 
 
+def batch_results(batch_id: str) -> str:
+    """A running batch's answered lines, by line number: each line of its output or error file, written once."""
+    return f"{PREFIX}:batch:{batch_id}:results"
+
+
+def batch_released(batch_id: str) -> str:
+    """A running batch's lines released into the queue and not yet answered, by line number."""
+    return f"{PREFIX}:batch:{batch_id}:released"
+
+
+def batch_lines(model: str) -> str:
+    """Every batch's lines released for a model and not yet answered: what bounds the lines in its queue."""
+    return f"{PREFIX}:batch-lines:{model}"
+
+
+def batches_running() -> str:
+    """The batches an API has work for: checking, releasing, answering and ending their lines."""
+    return f"{PREFIX}:batches:running"
+
+
+def batch_runner(batch_id: str) -> str:
+    """The API process running a batch, while its lease lasts."""
+    return f"{PREFIX}:batch:{batch_id}:runner"
+
+
 def files_due() -> str:
     """Files whose bytes are to leave the store, each at its score: those that expire, those deleted, and uploads not
     yet recorded, at the end of their lease."""
@@ -192,6 +217,25 @@ LAYOUT = (
         "`output_file_id`, `error_file_id`, and as JSON `metadata`, `errors`, `counts`, `usage`",
     ),
     Entry((owner_batches("{owner}"),), "zset", "that owner's batch ids, scored by creation time: `GET /v1/batches`"),
+    Entry(
+        (batch_results("{id}"),),
+        "hash",
+        "a running batch's answered lines: line number -> `{kind, line, usage}` (`kind` `output` or `error`, `line` "
+        "the output or error file's line); written once per line, deleted when the batch ends",
+    ),
+    Entry(
+        (batch_released("{id}"),),
+        "zset",
+        "a running batch's lines in the queue: line numbers, scored by release time",
+    ),
+    Entry(
+        (batch_lines("{model}"),),
+        "zset",
+        "every batch's lines in that model's queue: `{batch id}:{line}`, scored by release time; its size bounds "
+        "what the runners release ([batches](batches.md#how-a-batch-runs))",
+    ),
+    Entry((batches_running(),), "zset", "batches an API runs, scored by when they started"),
+    Entry((batch_runner("{id}"),), "string", "the API process running that batch; expires unless renewed"),
     Entry(
         (batch_statuses(),),
         "hash",

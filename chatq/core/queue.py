@@ -15,24 +15,34 @@ from chatq.core.redis_url import broker, broker_use_ssl
 from chatq.core.settings import Settings
 
 GENERATE_TASK = "chatq.generate"
-PRIORITY_LANES = 10
 REDIS_TRANSPORT = "chatq.core.broker:RedisTransport"
 SENTINEL_TRANSPORT = "chatq.core.broker:SentinelTransport"
 
-
-# Interactive requests (a client holds a connection open) take the first half of the lanes, background jobs the
-# second: any waiting interactive job is picked before every background one.
-_HALF = PRIORITY_LANES // 2
+# Redis' lanes, 0 served first: interactive requests (a client holds a connection open) take the first five,
+# background jobs the next five, and a batch's lines the last, so any waiting interactive job is picked before every
+# background one, and both before any batch line.
+LANES_PER_KIND = 5
+BATCH_LANE = 2 * LANES_PER_KIND
+PRIORITY_LANES = BATCH_LANE + 1
+# Added to a batch line's `priority` in its worker's engine: any other sequence waiting there is admitted first, and
+# a batch line is preempted first.
+BATCH_ENGINE_PRIORITY = 1 << 20
 
 
 def celery_priority(priority: int, background: bool = False) -> int:
-    """A request's priority (lower goes first, 0 by default, as in vLLM) -> one of Redis' ten lanes, 0 served first.
+    """A request's priority (lower goes first, 0 by default, as in vLLM) -> one of the interactive or background
+    lanes.
 
-    Within its half, the default sits in the middle lane, so both more and less urgent requests have room; the
-    extremes share the end lanes.
+    Within its kind's lanes, the default sits in the middle one, so both more and less urgent requests have room;
+    the extremes share the end lanes.
     """
-    lane = min(max(priority + _HALF // 2, 0), _HALF - 1)
-    return lane + _HALF if background else lane
+    lane = min(max(priority + LANES_PER_KIND // 2, 0), LANES_PER_KIND - 1)
+    return lane + LANES_PER_KIND if background else lane
+
+
+def lane_score(lane: int, now: float) -> float:
+    """A queued job's score in keys.queued: by lane, then arrival, so a rank there is its place in the pick order."""
+    return lane * 1e11 + now
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -168,6 +168,11 @@ class Settings(BaseSettings):
     # Batches (/v1/batches, docs/batches.md#batches): seconds a batch has to finish before it expires, in place of
     # its `completion_window` (so tests can watch one expire); 0: the window it asked for.
     batch_window: NonNegative = 0
+    # A batch's lines each live worker of its model may hold at once, queued or running: the rest of its
+    # CHATQ_WORKER_CONCURRENCY stays free for interactive and background jobs.
+    batch_lines_per_worker: Positive = 16
+    # Seconds between a batch runner's rounds: finding ended lines, releasing more.
+    batch_tick: Annotated[float, Field(gt=0)] = 0.1
 
     @field_validator("flower_auth")
     @classmethod

@@ -12,7 +12,7 @@ from celery import Celery
 
 from chatq.core import keys, logs, reclaim_scripts, telemetry
 from chatq.core.errors import WorkerLost
-from chatq.core.queue import task_message
+from chatq.core.queue import lane_score, task_message
 from chatq.core.settings import Settings
 from chatq.core.webhooks import WebhookMessages
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def _requeue(app: Celery, job_id: str, lane: int, created: float, settings: Settings) -> reclaim_scripts.Requeue:
     queue, message = task_message(app, job_id, keys.celery_queue(settings.model_name), lane)
     # Where it arrived in its lane, as its task goes to the end workers take from next: it has waited once already.
-    score = lane * 1e11 + created
+    score = lane_score(lane, created)
     error = WorkerLost(settings.max_attempts).body()
     how = reclaim_scripts.Requeue(queue, message, score, settings.max_attempts, settings.result_ttl, error)
     # A job that ran out of attempts fails in the reclaim's script, which sends its webhooks then.
