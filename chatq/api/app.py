@@ -17,6 +17,7 @@ from redis.backoff import ExponentialBackoff
 
 from chatq.api import batches, errors, files, metrics, responses
 from chatq.api.auth import Keys
+from chatq.api.batch_files import BatchFiles
 from chatq.api.batch_runner import BatchRunner
 from chatq.api.jobs import JobStore
 from chatq.api.models import Models
@@ -50,8 +51,9 @@ def create_app(settings: Settings) -> FastAPI:
     service = Service(settings, client, store, Relay(client, settings.redis_url), Models(client, settings))
     api_keys = Keys(settings)
     stored = files.Files(client, file_store(settings), settings)
-    batch_service = batches.Batches(client, stored, service.models)
-    runner = BatchRunner(service, batch_service.batch_files)
+    batch_files = BatchFiles(stored)
+    runner = BatchRunner(service, batch_files)
+    batch_service = batches.Batches(client, stored, service.models, batch_files, runner.look_now)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ on from what Redis holds (chatq.core.batch_run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -74,6 +75,11 @@ class BatchRunner:
         self.svc, self.redis, self.files = svc, svc.redis, files
         self.token = uuid.uuid4().hex
         self._held: dict[str, asyncio.Task[None]] = {}
+        self._look = asyncio.Event()
+
+    def look_now(self) -> None:
+        """Looks for batches to take up at once: one this API just moved in progress."""
+        self._look.set()
 
     async def running(self) -> None:
         """Takes up every batch in progress that no API runs, for as long as this API runs."""
@@ -83,7 +89,9 @@ class BatchRunner:
                     await self._take_up()
                 except Exception as e:  # Redis out of reach: the next look tries again
                     log.warning("the batch runner could not look for batches: %r", e)
-                await asyncio.sleep(LOOK_EVERY)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._look.wait(), LOOK_EVERY)
+                self._look.clear()
         finally:
             for task in self._held.values():
                 task.cancel()
@@ -100,11 +108,11 @@ class BatchRunner:
 
     async def _run(self, batch_id: str) -> None:
         lease = keys.batch_runner(batch_id)
+        run = LineRun(self, batch_id)
         try:
-            run = LineRun(self, batch_id)
             renewed = time.monotonic()
             while not await run.step():
-                await asyncio.sleep(self.svc.settings.batch_tick)
+                await run.next_round(self.svc.settings.batch_tick)
                 if time.monotonic() - renewed > LEASE / 3:
                     if not await _RENEW.run(self.redis, lease=lease, token=self.token, ms=int(LEASE * 1000)):
                         log.warning("batch %s: the lease passed to another API", batch_id)
@@ -113,6 +121,7 @@ class BatchRunner:
         except Exception:
             log.exception("batch %s: its run stopped; another round takes it up", batch_id)
         finally:
+            run.close()
             self._held.pop(batch_id, None)
             try:
                 await asyncio.shield(_GIVE_UP.run(self.redis, lease=lease, token=self.token))
@@ -135,6 +144,29 @@ class LineRun:
         self.owner = ""
         self.kind = "chat"
         self.stopping_since: float | None = None
+        self.wake = asyncio.Event()
+        self.watching: dict[int, asyncio.Task[None]] = {}  # the line's job's `done`, awaited
+
+    async def next_round(self, tick: float) -> None:
+        """Waits for a pending line's job to end, or `tick` seconds: the round after finds what ended."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), tick)
+        self.wake.clear()
+
+    def _watch(self, line: PlanLine) -> None:
+        """Wakes the run when the line's job ends, so its place goes to the next line at once."""
+
+        async def watch() -> None:
+            with contextlib.suppress(Exception):
+                await self.svc.relay.done(self.job_id(line))
+            self.wake.set()
+
+        self.watching[line.number] = asyncio.create_task(watch())
+
+    def close(self) -> None:
+        for task in self.watching.values():
+            task.cancel()
+        self.watching.clear()
 
     async def step(self) -> bool:
         """One round; true once the batch has ended and what it kept is cleared."""
@@ -178,6 +210,8 @@ class LineRun:
             if not lines:
                 break
             self.pending.update((line.number, line) for line in lines if line.number in released)
+        for line in self.pending.values():
+            self._watch(line)
 
     async def _read(self, n: int) -> list[PlanLine]:
         assert self.plan is not None
@@ -226,6 +260,8 @@ class LineRun:
         job_id = self.job_id(line) if ran else None
         await batch_run.answer(self.redis, self.batch_id, self.model, line.number, answer, job_id)
         self.pending.pop(line.number, None)
+        if (task := self.watching.pop(line.number, None)) is not None:
+            task.cancel()
 
     async def _release(self, batch: Batch) -> None:
         """Releases lines while the model's batch lines leave room: CHATQ_BATCH_LINES_PER_WORKER per live worker."""
@@ -243,6 +279,8 @@ class LineRun:
             )
             self.pending[line.number] = line
             await self._submit(line)
+            if line.number in self.pending:
+                self._watch(line)
             room -= 1
 
     async def _submit(self, line: PlanLine) -> None:

@@ -9,7 +9,7 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
@@ -81,9 +81,16 @@ def _lines(stream: Iterator[bytes]) -> Iterator[str]:
 
 
 class Batches:
-    def __init__(self, client: aioredis.Redis, stored: Files, models: Models):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        stored: Files,
+        models: Models,
+        batch_files: BatchFiles,
+        started: Callable[[], None],
+    ):
         self.redis, self.files, self.models = client, stored, models
-        self.batch_files = BatchFiles(stored)
+        self.batch_files, self.started = batch_files, started
         self.webhooks = WebhookMessages.of(stored.settings)
         self._validating: dict[str, asyncio.Task[None]] = {}
 
@@ -146,6 +153,7 @@ class Batches:
         await self.batch_files.write_plan(batch, check.kept)
         model = next(iter(check.models))
         await batches.move(self.redis, batch.id, ("validating",), "in_progress", total=str(check.lines), model=model)
+        self.started()
 
     async def _check_lines(self, batch: Batch) -> tuple[LineCheck, list[LineError]]:
         _, opened = await self.files.open(batch.input_file_id, batch.owner)
