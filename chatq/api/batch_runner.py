@@ -25,7 +25,7 @@ from chatq.core.batch_run import Answer, PlanLine
 from chatq.core.batches import Batch
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.completion_request import CompletionRequest
-from chatq.core.errors import ChatqError, ModelNotFound
+from chatq.core.errors import ChatqError, Conflict, ModelNotFound
 from chatq.core.filestore import StoredFileMissing
 from chatq.core.job import Job, JobStatus
 from chatq.core.lua import Script
@@ -186,21 +186,24 @@ class LineRun:
             await self._stop(batch)
         elif batch.status == "in_progress":
             await self._release(batch)
-            if not self.pending and not self.ahead and self.read >= batch.counts["total"]:
+            planned = not self.pending and not self.ahead and self.read >= batch.counts["total"]
+            if planned and not await self._reopen_if_lines_are_lost(batch):
                 await self._finish(batch)
         elif batch.status == "finalizing":
             await self._finish(batch)
         return False
 
     async def _open(self, batch: Batch) -> None:
-        """Reads the plan up to where the batch's runners got, keeping the lines released and not answered."""
+        """Reads the plan up to where the batch's runners got: a line released and not answered is pending, one
+        neither answered nor released (its release lost with Redis's last writes) is to be released again."""
         self.kind, self.owner = KINDS[batch.endpoint], batch.owner
         try:
             self.model = (await self.svc.models.get(batch.model)).name
         except ModelNotFound:  # no longer served: its lines fail as they are submitted
             self.model = batch.model or ""
         released_ids: list[str] = await self.redis.zrange(keys.batch_released(self.batch_id), 0, -1)  # type: ignore[assignment]
-        released = {int(n) for n in released_ids}
+        answered_ids: list[str] = await self.redis.hkeys(keys.batch_results(self.batch_id))  # type: ignore[assignment,misc]
+        released, answered = {int(n) for n in released_ids}, {int(n) for n in answered_ids}
         try:
             self.plan = await asyncio.to_thread(self.runner.files.plan, self.batch_id)
         except StoredFileMissing:  # cancelled while it was checked: nothing was planned
@@ -209,9 +212,23 @@ class LineRun:
             lines = await self._read(min(READ_AHEAD, batch.released - self.read))
             if not lines:
                 break
-            self.pending.update((line.number, line) for line in lines if line.number in released)
+            for line in lines:
+                if line.number in released:
+                    self.pending[line.number] = line
+                elif line.number not in answered:
+                    self.ahead.append(line)
         for line in self.pending.values():
             self._watch(line)
+
+    async def _reopen_if_lines_are_lost(self, batch: Batch) -> bool:
+        """Whether some line has no answer though the plan is done (Redis lost it): the plan is then read again,
+        and each such line released again."""
+        if await self.redis.hlen(keys.batch_results(self.batch_id)) >= batch.counts["total"]:  # type: ignore[misc]
+            return False
+        log.warning("batch %s: answers were lost; releasing their lines again", self.batch_id)
+        self.close()
+        self.plan, self.read, self.pending, self.ahead = None, 0, {}, []
+        return True
 
     async def _read(self, n: int) -> list[PlanLine]:
         assert self.plan is not None
@@ -293,6 +310,10 @@ class LineRun:
             )
 
     async def _enqueue(self, line: PlanLine) -> None:
+        with contextlib.suppress(Conflict):  # released before, by a runner that stopped: its job stands
+            await self._submit_job(line)
+
+    async def _submit_job(self, line: PlanLine) -> None:
         request_id, owner = line.job_request_id(self.batch_id), self.owner
         if self.kind == "response":
             body = ResponsesRequest.model_validate(line.body)

@@ -120,7 +120,8 @@ class JobStore:
         fields = self._record(job, owner) | task_fields(queue, message, now) | {"submitted": repr(now)}
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         listing = None if line else Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
-        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing)
+        cap = 0 if line else self.settings.max_queued
+        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing, cap)
         if done.outcome is Outcome.existing:
             return Submission(await self._named(done.job_id, owner, kind, idempotency_key), None, created=False)
         if done.outcome is Outcome.full:
@@ -155,10 +156,11 @@ class JobStore:
         score: float,
         idem: str | None,
         listing: Listing | None,
+        cap: int,
     ) -> api_scripts.Submitted:
         """api_scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
         that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
-        args = (job_id, model, fields, queue, message, score, self.settings.max_queued, idem, listing)
+        args = (job_id, model, fields, queue, message, score, cap, idem, listing)
         if (wait := self.replicas.command()) is None:
             return await api_scripts.submit(self.redis, *args)
         async with self.redis.client() as pinned:

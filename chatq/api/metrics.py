@@ -91,18 +91,32 @@ async def read_models(client: aioredis.Redis, default_model: str) -> list[Metric
         pipe.zcard(keys.queued(model))
         pipe.scard(keys.running(model))
         pipe.hgetall(keys.metrics(model))
+        pipe.zcard(keys.batch_lines(model))
     replies: list[Any] = await pipe.execute()
-    readings = [(model, *replies[3 * i : 3 * i + 3]) for i, model in enumerate(models)]
-    return [*_gauges(readings), *_finished(readings)]
+    readings = [(model, *replies[4 * i : 4 * i + 3]) for i, model in enumerate(models)]
+    released = GaugeMetricFamily(
+        m.PREFIX + "batch_lines_released", "Batch lines in the model's queue or running.", labels=LABELS
+    )
+    for i, model in enumerate(models):
+        released.add_metric([model], replies[4 * i + 3])
+    return [*_gauges(readings), *_finished(readings), released]
 
 
 async def read_batches(client: aioredis.Redis) -> list[Metric]:
-    """How many batches are in each status."""
-    counts: dict[str, str] = await client.hgetall(keys.batch_statuses())  # type: ignore[assignment,misc]
+    """How many batches are in each status, and their lines: answered by outcome, and in the queue."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.batch_statuses())
+    pipe.hgetall(keys.batch_line_counts())
+    counts, lines = await pipe.execute()
     gauge = GaugeMetricFamily(m.PREFIX + "batches", "Batches in each status.", labels=["status"])
     for status in STATUSES:
         gauge.add_metric([status], max(0, int(counts.get(status) or 0)))
-    return [gauge]
+    answered = CounterMetricFamily(
+        m.PREFIX + "batch_lines", "Batch lines answered, by the request_counts field they add to.", labels=["status"]
+    )
+    for status in ("completed", "failed"):
+        answered.add_metric([status], int(lines.get(status) or 0))
+    return [gauge, answered]
 
 
 def _gauges(readings: list[tuple[str, int, int, dict[str, str]]]) -> Iterator[Metric]:

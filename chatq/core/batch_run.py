@@ -143,7 +143,7 @@ end
 # A line answered, once: its file line kept, it leaves the released lines, its batch counts it and adds its tokens,
 # and what its job left (`dropped`: its record and log, if it ran) is deleted. 0 if it was answered before.
 _ANSWER = Script(
-    keys=("record", "results", "released", "model_lines"),
+    keys=("record", "results", "released", "model_lines", "line_counts"),
     key_tail="dropped",
     args=("line", "member", "entry", "outcome"),
     tail="tokens",  # name, amount pairs
@@ -152,6 +152,7 @@ if redis.call('HSETNX', results, line, entry) == 0 then return 0 end
 redis.call('ZREM', released, line)
 redis.call('ZREM', model_lines, member)
 redis.call('HINCRBY', record, outcome, 1)
+redis.call('HINCRBY', line_counts, outcome, 1)
 for i = 1, #tokens, 2 do redis.call('HINCRBY', record, tokens[i], tokens[i + 1]) end
 if #dropped > 0 then redis.call('DEL', unpack(dropped)) end
 return 1
@@ -182,6 +183,7 @@ def answer(client: aioredis.Redis, batch_id: str, model: str, number: int, resul
         results=keys.batch_results(batch_id),
         released=keys.batch_released(batch_id),
         model_lines=keys.batch_lines(model),
+        line_counts=keys.batch_line_counts(),
         dropped=dropped,
         line=number,
         member=member(batch_id, number),

@@ -108,6 +108,11 @@ def batch_lines(model: str) -> str:
     return f"{PREFIX}:batch-lines:{model}"
 
 
+def batch_line_counts() -> str:
+    """How many batch lines were answered, by outcome, for /metrics."""
+    return f"{PREFIX}:batches:lines"
+
+
 def batches_running() -> str:
     """The batches an API has work for: checking, releasing, answering and ending their lines."""
     return f"{PREFIX}:batches:running"
@@ -235,6 +240,11 @@ LAYOUT = (
         "what the runners release ([batches](batches.md#how-a-batch-runs))",
     ),
     Entry((batches_running(),), "zset", "batches an API runs, scored by when they started"),
+    Entry(
+        (batch_line_counts(),),
+        "hash",
+        "batch lines answered since Redis began, by outcome (`completed`, `failed`): read by `/metrics`",
+    ),
     Entry((batch_runner("{id}"),), "string", "the API process running that batch; expires unless renewed"),
     Entry(
         (batch_statuses(),),

@@ -171,7 +171,7 @@ class Settings(BaseSettings):
     # A batch's lines each live worker of its model may hold at once, queued or running: the rest of its
     # CHATQ_WORKER_CONCURRENCY stays free for interactive and background jobs, whose steps the lines slow (on a CPU
     # worker, in proportion to their number; docs/batches.md#how-a-batch-runs).
-    batch_lines_per_worker: Positive = 4
+    batch_lines_per_worker: Positive = 3
     # Seconds between a batch runner's rounds: finding ended lines, releasing more.
     batch_tick: Annotated[float, Field(gt=0)] = 0.1
 

@@ -341,20 +341,25 @@ def test_a_batchs_end_sends_openais_signed_webhook(
                     input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h"
                 )
                 assert settle(client, failed.id).status == "failed"
+                ran = client.batches.create(
+                    input_file_id=good, endpoint="/v1/chat/completions", completion_window="24h"
+                )
                 [cancelled_hook] = receiver.wait(kept.id)
                 [failed_hook] = receiver.wait(failed.id)
+                [completed_hook] = receiver.wait(ran.id)
         finally:
             sender.terminate()
             server.shutdown()
     assert (cancelled_hook.type, failed_hook.type) == ("batch.cancelled", "batch.failed")
+    assert completed_hook.type == "batch.completed"
     assert receiver.unverified == []
 
 
-def test_metrics_count_batches_by_status(base: str, model_name: str) -> None:
+def test_metrics_count_batches_by_status_and_their_lines(base: str, model_name: str) -> None:
     def counts() -> dict[str, float]:
         text = httpx.get(f"{base}/metrics").text
-        found = re.findall(r'^chatq:batches\{status="(\w+)"\} (\S+)$', text, re.M)
-        return {status: float(value) for status, value in found}
+        found = re.findall(r'^chatq:batch(es|_lines_total)\{status="(\w+)"\} (\S+)$', text, re.M)
+        return {("lines:" if kind != "es" else "") + status: float(value) for kind, status, value in found}
 
     before = counts()
     assert set(before) == {
@@ -366,19 +371,26 @@ def test_metrics_count_batches_by_status(base: str, model_name: str) -> None:
         "expired",
         "cancelling",
         "cancelled",
+        "lines:completed",
+        "lines:failed",
     }
     client = sdk(base)
-    batch = client.batches.create(
+    lines = [chat_line("a", model_name), chat_line("b", model_name, max_tokens=10**6)]
+    batch = run_batch(client, lines)
+    assert batch.status == "completed"
+    cancelled = client.batches.create(
         input_file_id=upload(client, [chat_line("a", model_name)]),
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
-    settle(client, batch.id)
-    client.batches.cancel(batch.id)
-    ended = wait_status(client, batch.id, "cancelled", "completed", timeout=60).status
+    client.batches.cancel(cancelled.id)
+    ended = wait_status(client, cancelled.id, "cancelled", "completed", timeout=60).status
     after = counts()
-    assert after[ended] == before[ended] + 1
+    assert after["completed"] == before["completed"] + 1 + (ended == "completed")
+    assert after["cancelled"] == before["cancelled"] + (ended == "cancelled")
     assert (after["validating"], after["in_progress"]) == (before["validating"], before["in_progress"])
+    assert after["lines:completed"] >= before["lines:completed"] + 1
+    assert after["lines:failed"] >= before["lines:failed"] + 1
 
 
 def test_a_batch_left_validating_by_a_stopped_api_is_checked_when_read(
@@ -402,3 +414,29 @@ def test_a_batch_left_validating_by_a_stopped_api_is_checked_when_read(
     batch = settle(client, orphan.id)
     assert batch.status != "failed" and batch.request_counts is not None and batch.request_counts.total == 2
     assert wait_status(client, orphan.id, "completed").request_counts.completed == 2
+
+
+def test_a_line_whose_answer_redis_lost_runs_again_and_is_answered_once(
+    base: str, model_name: str, r: redis.Redis
+) -> None:
+    client = sdk(base)
+    created = client.batches.create(
+        input_file_id=upload(client, long_lines(model_name, 40, max_tokens=32)),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    deadline = time.time() + 300
+    while not (answered := r.hkeys(keys.batch_results(created.id))):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    lost = answered[0]
+    # What a Redis that restarted without its last second of writes would hold: that line neither answered nor
+    # counted, its release kept.
+    pipe = r.pipeline(transaction=True)
+    pipe.hdel(keys.batch_results(created.id), lost)
+    pipe.hincrby(keys.batch(created.id), "completed", -1)
+    assert pipe.execute()[0] == 1
+    batch = wait_status(client, created.id, "completed", "failed", "cancelled", "expired")
+    assert batch.status == "completed", batch
+    outputs, errors = assert_each_line_once(client, batch, 40, "")
+    assert not errors

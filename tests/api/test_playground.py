@@ -1,5 +1,6 @@
 """The playground page at /, in a real headless browser (Debian's chromium, driven by Playwright) against the real
-stack: a streamed answer, a tool call, a stop, a background job opened from the jobs view, and API keys."""
+stack: a streamed answer, a tool call, a stop, a background job opened from the jobs view, batches with their
+progress, output and cancel, and API keys."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -207,3 +209,39 @@ def test_the_page_asks_for_a_key_when_the_api_needs_one(browser: Any, guarded: G
         expect(page.locator(f"#job-rows tr[data-id='{job_id}'] .status")).to_have_text("completed")
     finally:
         context.close()
+
+
+def _batch(http: httpx.Client, model: str, lines: int, max_tokens: int) -> str:
+    rows = [
+        {
+            "custom_id": f"pg{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": max_tokens},
+        }
+        for i in range(lines)
+    ]
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    uploaded = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)}).json()
+    body = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    return http.post("/v1/batches", json=body).json()["id"]
+
+
+def test_batches_show_their_progress_and_give_their_output_or_a_cancel(page: Any, http: httpx.Client, model_name: str):
+    done_id = _batch(http, model_name, 3, 4)
+    long_id = _batch(http, model_name, 200, 64)
+    row = page.locator(f"#batch-rows tr[data-id='{done_id}']")
+    expect(row.locator(".status")).to_have_text("completed")
+    expect(row.locator(".progress")).to_have_text("3 / 3")
+    assert row.locator("progress").get_attribute("value") == "3"
+    with page.expect_download() as downloaded:
+        row.locator("button.output").click()
+    lines = [json.loads(line) for line in Path(downloaded.value.path()).read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == ["pg0", "pg1", "pg2"]
+    running = page.locator(f"#batch-rows tr[data-id='{long_id}']")
+    expect(running.locator(".status")).to_have_text("in_progress")
+    running.locator("button.cancel").click()
+    expect(running.locator(".status")).to_have_text(re.compile("cancelling|cancelled"))
+    expect(running.locator(".status")).to_have_text("cancelled")
+    expect(running.locator("button.errors")).to_be_visible()
+    assert http.get(f"/v1/batches/{long_id}").json()["status"] == "cancelled"

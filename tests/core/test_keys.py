@@ -35,6 +35,7 @@ EXAMPLES = {
     keys.batch_released: ("batch_abc",),
     keys.batch_lines: ("m",),
     keys.batches_running: (),
+    keys.batch_line_counts: (),
     keys.batch_runner: ("batch_abc",),
     keys.celery_queue: ("m",),
     keys.celery_lane: (keys.celery_queue("m"), 3),

@@ -19,6 +19,7 @@ from chatq.core import api_scripts, keys, lua, metrics, reclaim_scripts, worker_
 from chatq.core.api_scripts import Outcome
 from chatq.core.job import Event, EventKind
 from chatq.core.lua import LuaFunction, Script
+from chatq.core.queue import BATCH_LANE, lane_score
 from chatq.core.settings import Settings
 
 
@@ -34,11 +35,16 @@ def _model() -> str:
 
 
 async def _submit(
-    client: aioredis.Redis, model: str, cap: int = 0, idem: str | None = None, job_id: str | None = None
+    client: aioredis.Redis,
+    model: str,
+    cap: int = 0,
+    idem: str | None = None,
+    job_id: str | None = None,
+    score: float = 1.0,
 ) -> api_scripts.Submitted:
     job_id = job_id or f"chatcmpl-{uuid.uuid4().hex}"
     record = {"id": job_id, "model": model, "status": "queued"}
-    return await api_scripts.submit(client, job_id, model, record, keys.celery_queue(model), "msg", 1.0, cap, idem)
+    return await api_scripts.submit(client, job_id, model, record, keys.celery_queue(model), "msg", score, cap, idem)
 
 
 def _enqueued(r: redis.Redis, model: str) -> tuple[int, int]:
@@ -62,6 +68,14 @@ async def test_running_jobs_do_not_count_against_the_cap(client: aioredis.Redis,
     assert (await _submit(client, model, cap=1)).outcome is Outcome.full
     r.zrem(keys.queued(model), first.job_id)  # what a worker's claim does
     assert (await _submit(client, model, cap=1)).outcome is Outcome.queued
+
+
+async def test_batch_lines_do_not_count_against_the_cap(client: aioredis.Redis):
+    model = _model()
+    line = lane_score(BATCH_LANE, 1.0)
+    assert {(await _submit(client, model, cap=1, score=line)).outcome for _ in range(5)} == {Outcome.queued}
+    assert (await _submit(client, model, cap=1)).outcome is Outcome.queued
+    assert (await _submit(client, model, cap=1)).outcome is Outcome.full
 
 
 async def test_no_cap_when_zero(client: aioredis.Redis, r: redis.Redis):

@@ -192,8 +192,64 @@ async function refreshJobs() {
     const resp = await api("/v1/chat/completions?limit=20&order=desc");
     const list = await resp.json();
     $("job-rows").replaceChildren(...list.data.map(jobRow));
+    const batches = await (await api("/v1/batches?limit=20")).json();
+    $("batch-rows").replaceChildren(...batches.data.map(batchRow));
   } catch (e) {
     if (e.status !== 401) notice(`Jobs: ${e.message}`);
+  }
+}
+
+// A batch: its progress as lines answered of all, a bar of it, and what can be done with it now.
+function batchRow(batch) {
+  const row = element("tr");
+  row.dataset.id = batch.id;
+  const id = element("td", "id", batch.id);
+  id.title = batch.id;
+  const counts = batch.request_counts || { total: 0, completed: 0, failed: 0 };
+  const done = counts.completed + counts.failed;
+  const progress = element("td", "progress", `${done} / ${counts.total}`);
+  const bar = element("progress");
+  bar.max = counts.total || 1;
+  bar.value = done;
+  progress.append(bar);
+  if (counts.failed) progress.title = `${counts.failed} failed`;
+  const actions = element("td");
+  if (batch.status === "validating" || batch.status === "in_progress") {
+    actions.append(button("cancel", "Cancel", () => cancelBatch(batch.id)));
+  }
+  if (batch.output_file_id) actions.append(button("output", "Output", () => download(batch.output_file_id)));
+  if (batch.error_file_id) actions.append(button("errors", "Errors", () => download(batch.error_file_id)));
+  row.append(id, element("td", `status status-${batch.status}`, batch.status), progress, actions);
+  return row;
+}
+
+function button(className, text, onClick) {
+  const b = element("button", className, text);
+  b.type = "button";
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+async function cancelBatch(id) {
+  try {
+    await api(`/v1/batches/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+  } catch (e) {
+    notice(e.message);
+  }
+  refreshJobs();
+}
+
+// A file's content, saved by the browser: fetched with the key, which a plain link could not send.
+async function download(fileId) {
+  try {
+    const resp = await api(`/v1/files/${encodeURIComponent(fileId)}/content`);
+    const link = element("a");
+    link.href = URL.createObjectURL(await resp.blob());
+    link.download = `${fileId}.jsonl`;
+    link.click();
+    URL.revokeObjectURL(link.href);
+  } catch (e) {
+    notice(e.message);
   }
 }
 
