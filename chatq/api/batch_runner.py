@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from chatq.api import responses
 from chatq.api.batch_files import BatchFiles
+from chatq.api.jobs import ID_PREFIX
 from chatq.api.routes import Service
 from chatq.core import batch_run, batches, keys
 from chatq.core.batch_run import Answer, PlanLine
@@ -43,7 +44,6 @@ STOP_GRACE = 30.0
 # Plan lines read per thread hop.
 READ_AHEAD = 256
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "text", "/v1/responses": "response"}
-ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_"}
 STOP_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request ran.",
     "batch_expired": "The batch expired before this request ran.",
