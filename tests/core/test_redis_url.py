@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 from chatq.core.broker import SentinelTransport
-from chatq.core.queue import make_celery
+from chatq.core.queue import PRIORITY_LANES, make_celery
 from chatq.core.redis_url import SentinelURL, broker, broker_use_ssl, masked, sentinel_url
 from chatq.core.settings import Settings
 
@@ -99,7 +99,8 @@ def test_kombu_gets_one_url_per_sentinel_each_with_the_masters_login_and_the_mas
     app = make_celery(Settings(redis_url=SENTINELS))
     assert app.conf.broker_url == url
     assert app.conf.broker_transport_options["master_name"] == "chatq"
-    assert app.conf.broker_transport_options["priority_steps"] == list(range(10))  # chatq's own options stay
+    # chatq's own options stay
+    assert app.conf.broker_transport_options["priority_steps"] == list(range(PRIORITY_LANES))
     with app.connection_for_write() as conn:  # chatq's transport, over Sentinel, and every sentinel to fail over to
         assert isinstance(conn.transport, SentinelTransport)
         assert conn.alt == url.split(";")
