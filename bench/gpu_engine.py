@@ -171,7 +171,7 @@ from chatq.worker.device import DeviceLost
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_config(config("tiny"), dtype=torch.bfloat16).cuda().eval()
 engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=512, max_model_len=2048)
-def out_of_bounds(self, b, out=None):
+def out_of_bounds(self, b, out=None, stop=None):
     torch.zeros(3, device="cuda")[torch.tensor([5], device="cuda")]
     torch.cuda.synchronize()
 forward.PagedForward.__call__ = out_of_bounds

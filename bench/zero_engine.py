@@ -23,6 +23,7 @@ class ZeroEngine(Engine):
         self.token_id = token_id
         self.device = torch.device("cpu")
         self.wakeup = threading.Event()
+        self.urgent = threading.Event()
         self.waiting = []
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []

@@ -29,6 +29,11 @@ PRIORITY_LANES = BATCH_LANE + 1
 BATCH_ENGINE_PRIORITY = 1 << 20
 
 
+def is_batch_line(engine_priority: int) -> bool:
+    """Whether a request's priority, as its worker's engine sees it, is a batch line's."""
+    return engine_priority >= BATCH_ENGINE_PRIORITY
+
+
 def celery_priority(priority: int, background: bool = False) -> int:
     """A request's priority (lower goes first, 0 by default, as in vLLM) -> one of the interactive or background
     lanes.

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from chatq.core import logs
+from chatq.core.queue import is_batch_line
 from chatq.worker import device, selfcheck
 from chatq.worker.batching import Scored, build_batch, score
 from chatq.worker.blocks import BlockManager
 from chatq.worker.device import DeviceLost
-from chatq.worker.forward import Batch, KVCache, PagedForward
+from chatq.worker.forward import Batch, Interrupted, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws
 
@@ -135,6 +136,7 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens prefilled: prompts, and preempted sequences recomputed (cache hits not)
     generation_tokens: int = 0  # tokens sampled
     preemptions: int = 0
+    interrupted: int = 0  # steps of batch lines alone given up part way for a sequence that could not wait
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of those, tokens found cached
 
@@ -155,6 +157,8 @@ class StepEngine(Protocol):
 
     device: torch.device
     wakeup: threading.Event
+    # Set when a sequence that is not a batch line is on its way: a step of batch lines alone may stop for it.
+    urgent: threading.Event
     stats: EngineStats
     checks: list[selfcheck.Check]
 
@@ -215,6 +219,9 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
+        # On CPU a step's cost grows with its rows, so batch lines sit out the steps that prefill other prompts, whose
+        # first tokens someone waits for; on a GPU their rows cost next to nothing there.
+        self.lines_yield = self.device.type == "cpu"
         self.max_model_len = max_model_len
         self.vocab_size = config.vocab_size
 
@@ -227,6 +234,7 @@ class Engine:
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
         self.parked: list[Sequence] = []  # beams waiting for their search's first step to fork them
         self.wakeup = threading.Event()
+        self.urgent = threading.Event()
         self.stats = EngineStats()
         self.checks: list[selfcheck.Check] = []  # the start check's, on CUDA
         if self.device.type == "cuda":
@@ -308,13 +316,19 @@ class Engine:
 
     def _step(self, outputs: list[Output]) -> None:
         outputs.extend(self._take_inbox())
-        scheduled = self._schedule()
+        scheduled = self._yield_to_prompts(self._schedule())
         if not scheduled:
             return
-        passed = self._forward_or_fail(scheduled, outputs)
+        try:
+            passed = self._forward_or_fail(scheduled, outputs)
+        except Interrupted:
+            # Its sequences keep their places and blocks: the next step, the urgent one's too, feeds them again.
+            self.stats.interrupted += 1
+            return
         if passed is None:
             return
         logits, emitting, scored, scheduled = passed
+        self.stats.prefill_tokens += sum(n for seq, n in scheduled if len(seq) - seq.num_cached != 1)
         for seq, n in scheduled:
             seq.num_cached += n
             self.blocks.register(seq)
@@ -333,12 +347,16 @@ class Engine:
         and the sequences the pass fed. A pass that fails
         on a fast path runs again without it, which stays off, down to the plain path if need be; one that fails on
         the plain path fails its prompt chunks, the likely cause (a long chunk's memory), and runs the decodes again
-        alone (the rest fail with them into `outputs`). A lost device raises DeviceLost."""
+        alone (the rest fail with them into `outputs`). A lost device raises DeviceLost; a pass of batch lines alone
+        raises Interrupted once `urgent` is set."""
         batch, emitting, scored = build_batch(scheduled, self.block_size, self.device)
+        lines_only = all(is_batch_line(seq.priority) for seq, _ in scheduled)
         while True:
             path = self._path(batch)
             try:
-                return self._run(batch, path), emitting, scored, scheduled
+                return self._run(batch, path, self.urgent if lines_only else None), emitting, scored, scheduled
+            except Interrupted:
+                raise
             except Exception as e:
                 error = self._failure(e, path)
             if path == "plain" or not self.degrade(f"a step failed on it: {error}", path):
@@ -369,11 +387,12 @@ class Engine:
             return "graphs"
         return "kernel" if self.forward.paged and batch.num_decode else "plain"
 
-    def _run(self, batch: Batch, path: str) -> torch.Tensor:
+    def _run(self, batch: Batch, path: str, stop: threading.Event | None = None) -> torch.Tensor:
+        """The pass's logits; an eager pass gives up between layers once `stop` is set (a graph's replay cannot)."""
         if path == "graphs":
             assert self.graphs is not None
             return self.graphs(batch)
-        return self.forward(batch)
+        return self.forward(batch, stop=stop)
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[Output]:
         for seq in seqs:
@@ -488,10 +507,16 @@ class Engine:
             bisect.insort(self.running, seq, key=_rank)
             prefills.append((seq, n))
             budget -= n
-        self.stats.prefill_tokens += self.prefill_chunk - budget
         if not decodes and not prefills and self.waiting:
             self._unblock()
         return decodes + prefills
+
+    def _yield_to_prompts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The step without its batch lines when it prefills another prompt and lines yield (`lines_yield`); they
+        keep their places and blocks for the next step."""
+        if not self.lines_yield or all(is_batch_line(s.priority) or len(s) - s.num_cached == 1 for s, _ in scheduled):
+            return scheduled
+        return [(s, n) for s, n in scheduled if not is_batch_line(s.priority)]
 
     def _unblock(self) -> None:
         """Nothing ran while sequences wait for room: beams that only wait for their siblings give their blocks up

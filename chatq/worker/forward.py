@@ -7,6 +7,7 @@ K/V into slots the block manager chose, and attention reads each sequence's slot
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,11 @@ from chatq.worker import attention, cpu_kernels, dense
 # A CPU decode's context: its place in the context rows, or else the block ids [D, W] and the mask of the slots in
 # use that gathering it takes (attention.gather_context).
 Context = attention.Placement | tuple[torch.Tensor, torch.Tensor]
+
+
+class Interrupted(Exception):
+    """The pass was given up between two layers because its `stop` was set: nothing it computed is used, and the
+    cache slots it wrote are written again by the pass that takes its place."""
 
 
 @dataclass
@@ -140,14 +146,17 @@ class PagedForward:
         self.head = dense.Dense(lm_head, packed)
 
     @torch.inference_mode()
-    def __call__(self, b: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, b: Batch, out: torch.Tensor | None = None, stop: threading.Event | None = None) -> torch.Tensor:
         """Next-token logits (float32) of the rows `b.logits_at` names, written into `out` if given. Decode-only
-        batches make no host sync on CUDA, so the same call can be captured in a CUDA graph."""
+        batches make no host sync on CUDA, so the same call can be captured in a CUDA graph. Raises Interrupted
+        before a layer once `stop` is set."""
         ctx = None if self.paged else self._context(b)
         h = self.embed(b.input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, b.positions[None])
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         for i, (layer, proj) in enumerate(zip(self.layers, self.dense, strict=True)):
+            if stop is not None and stop.is_set():
+                raise Interrupted
             x = self._norm(layer.input_layernorm, h)
             h = proj.o.plus(self._attention(layer.self_attn, proj, x, cos, sin, i, b, ctx), h)
             x = self._norm(layer.post_attention_layernorm, h)

@@ -20,6 +20,7 @@ from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
+from chatq.core.queue import is_batch_line
 from chatq.core.render import bad_words_ids
 from chatq.core.settings import Settings
 from chatq.worker.choice import Choice, add_ids, call_id, echo_text, echo_with_logprobs, prompt_logprobs
@@ -140,6 +141,10 @@ class JobRun:
         choice = Choice(index, seq, text, self.plan.make_parser(), p, echo, self.echo_logprobs, grammar=grammar)
         self._constrain(choice)
         return choice
+
+    @property
+    def batch_line(self) -> bool:
+        return is_batch_line(self.job.request.priority)
 
     @property
     def finished(self) -> bool:

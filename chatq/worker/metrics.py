@@ -53,6 +53,10 @@ class EngineCollector(Collector):
             "engine_generation_tokens": ("Tokens generated (sampled).", stats.generation_tokens),
             "engine_prefill_tokens": ("Tokens prefilled: prompts, and preempted ones again.", stats.prefill_tokens),
             "num_preemptions": ("Sequences preempted for want of cache blocks.", stats.preemptions),
+            "engine_interrupted_steps": (
+                "Steps of batch lines alone given up part way for another request.",
+                stats.interrupted,
+            ),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_hits),
         }

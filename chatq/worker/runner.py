@@ -91,6 +91,8 @@ class Runner:
         if log is not None and run.choices:
             run.resume(log)
         self._new.put(run)
+        if not run.batch_line:
+            self.engine.urgent.set()
         self.engine.wakeup.set()
         return run
 
@@ -131,6 +133,8 @@ class Runner:
     def _iterate(self) -> None:
         self._drop_lost()
         writes = StepWrites()
+        # Cleared before the new jobs are taken: one submitted after that may still stop the coming step.
+        self.engine.urgent.clear()
         touched = self._take_new(writes)
         if not writes and not touched and not self.engine.has_work():
             self.engine.wakeup.wait(0.5)

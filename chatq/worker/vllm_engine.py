@@ -65,6 +65,7 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.wakeup = threading.Event()
+        self.urgent = threading.Event()  # vLLM's steps run whole
         self.stats = EngineStats()
         self.checks: list[Check] = []  # the start checks are chatq's engine's
         self.held: Occupancy  # from vLLM's scheduler, after each step

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chatq.core.chat_request import ChatCompletionRequest
+from chatq.core.queue import BATCH_ENGINE_PRIORITY
 from chatq.core.render import Renderer
 from chatq.core.settings import Settings
 from chatq.worker import attention, sampler
@@ -204,6 +205,62 @@ def test_a_long_prompt_joining_does_not_stall_running_streams(model, prompts, re
     assert done["0"].output_ids == reference[0]
 
 
+def line(i: int, ids: list[int]) -> Sequence:
+    """A batch line's sequence (its request's priority raised past BATCH_ENGINE_PRIORITY by the batch runner)."""
+    return Sequence(f"line{i}", ids, SamplingParams(max_tokens=NEW, temperature=0), priority=BATCH_ENGINE_PRIORITY)
+
+
+class SetAfter:
+    """An event that reads as set from its `n`+1-th look on: a request arriving while a pass is part way."""
+
+    def __init__(self, n: int):
+        self.n, self.looks = n, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks > self.n
+
+
+def test_a_step_of_batch_lines_alone_stops_for_another_request_and_loses_nothing(model, prompts, reference):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    for i in range(3):
+        engine.add(line(i, prompts[i]))
+    tokens = {o.seq.id: [o.token] for o in engine.step()}  # their prompts' pass, then two decode steps
+    for _ in range(2):
+        for o in engine.step():
+            tokens[o.seq.id].append(o.token)
+    half = len(engine.forward.layers) // 2
+    engine.urgent = SetAfter(half)  # type: ignore[assignment]
+    assert engine.step() == []  # given up after half its layers had written their keys and values
+    assert engine.urgent.looks == half + 1 and engine.stats.interrupted == 1  # type: ignore[attr-defined]
+    # The request that stopped it joins the next step, which is not stopped: it holds more than batch lines.
+    engine.add(greedy(3, prompts[3]))
+    engine.urgent = SetAfter(0)  # type: ignore[assignment]
+    while engine.has_work():
+        for o in engine.step():
+            if o.token is not None:
+                tokens.setdefault(o.seq.id, []).append(o.token)
+    assert engine.stats.interrupted == 1
+    assert [tokens[f"line{i}"] for i in range(3)] == reference[:3]
+    assert tokens["3"] == reference[3]
+    assert engine.blocks.available() == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_batch_lines_sit_out_the_step_of_another_prompt_on_cpu(model, prompts, reference, device):
+    engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
+    engine.lines_yield = device == "cpu"  # as an engine on a GPU sets it
+    for i in range(2):
+        engine.add(line(i, prompts[i]))
+    engine.step()
+    engine.add(greedy(2, prompts[2]))
+    fed = {o.seq.id for o in engine.step()}
+    assert fed == ({"2"} if device == "cpu" else {"line0", "line1", "2"})
+    done = run(engine, [])
+    assert [done[f"line{i}"].output_ids for i in range(2)] + [done["2"].output_ids] == reference[:3]
+    assert engine.stats.prefill_tokens == sum(map(len, prompts[:3])) - engine.stats.prefix_hits
+
+
 def test_cancel_takes_effect_at_the_next_step(model, prompts):
     engine = Engine(model, kv_tokens=8192, block_size=16, prefill_chunk=512, max_model_len=8192)
     seqs = [greedy(i, ids) for i, ids in enumerate(prompts[:3])]
@@ -258,12 +315,12 @@ def test_a_forward_pass_failing_with_prompt_chunks_fails_only_those(model, promp
     forward = type(engine.forward).__call__
     failures = 0
 
-    def flaky(self, batch, out=None):  # out of memory, say, on the newcomer's prompt chunk
+    def flaky(self, batch, out=None, stop=None):  # out of memory, say, on the newcomer's prompt chunk
         nonlocal failures
         if batch.prefills and batch.num_decode:
             failures += 1
             raise torch.OutOfMemoryError("no room for the chunk")
-        return forward(self, batch, out)
+        return forward(self, batch, out, stop)
 
     monkeypatch.setattr(type(engine.forward), "__call__", flaky)
     engine.add(greedy(0, prompts[0]))

@@ -18,7 +18,7 @@ from chatq.core import keys
 from chatq.core.delta import Delta
 from chatq.core.errors import JobNotFound
 from chatq.core.job import JobStatus
-from chatq.core.queue import make_celery
+from chatq.core.queue import BATCH_ENGINE_PRIORITY, make_celery
 from chatq.core.settings import Settings
 from chatq.worker import jobrun as jobrun_module
 from chatq.worker.detokenize import Decoder
@@ -178,3 +178,20 @@ def test_a_cancel_takes_effect_at_the_next_step(decoder, settings, r, threaded):
         {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort", "stop_reason": None}
     ]
     assert done["event"] == "done"
+
+
+def test_a_job_other_than_a_batch_line_may_stop_the_step_under_way(decoder, settings):
+    engine = ZeroEngine(ids(decoder, " hello")[0])
+    runner = Runner(
+        lambda: engine,
+        model_info(),
+        Publisher(redis.Redis.from_url(settings.redis_url), settings, WORKER),
+        settings=settings,
+    )
+    runner.engine = engine  # not started: only its intake runs
+    line = job().model_copy(update={"id": "chatcmpl-runner-line"})
+    line.request.priority = BATCH_ENGINE_PRIORITY
+    runner.submit(line)
+    assert not engine.urgent.is_set()
+    runner.submit(job().model_copy(update={"id": "chatcmpl-runner-interactive"}))
+    assert engine.urgent.is_set()

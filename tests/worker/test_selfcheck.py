@@ -71,6 +71,8 @@ def test_wrong_tokens_in_a_mode_its_own_check_missed_step_it_down(model, monkeyp
 def test_an_engine_wrong_even_on_the_plain_path_refuses_to_start(model, monkeypatch):
     engine = Engine(model, kv_tokens=4096, block_size=16, prefill_chunk=256, max_model_len=2048)
     forward = type(engine.forward).__call__
-    monkeypatch.setattr(type(engine.forward), "__call__", lambda self, b, out=None: forward(self, b).roll(1, dims=-1))
+    monkeypatch.setattr(
+        type(engine.forward), "__call__", lambda self, b, out=None, stop=None: forward(self, b).roll(1, dims=-1)
+    )
     with pytest.raises(selfcheck.EngineRefused, match="disagrees with transformers"):
         selfcheck.start(engine, model, graph_batch=0)
