@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pydantic
@@ -331,6 +331,50 @@ def job(settings: Settings, action: str, job_id: str) -> int:
     return 0 if r.status_code == 200 else 1
 
 
+_LIMITS = ("rpm", "tpm", "models", "expires_at")
+
+
+def keys_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`chatq keys create|list|show|update|revoke`, through the admin routes with CHATQ_ADMIN_KEY."""
+    admin = settings.admin_key.get_secret_value()
+    base = f"{_base_url(settings)}/v1/admin/keys"
+    headers = {"Authorization": f"Bearer {admin}"} if admin else {}
+    # 0 lifts a limit (null in the body).
+    body = {k: getattr(args, k) for k in _LIMITS if getattr(args, k, None) is not None}
+    body = {k: None if v == 0 else v for k, v in body.items()}
+    if "models" in body:
+        body["models"] = [m.strip() for m in body["models"].split(",") if m.strip()]
+    if args.action == "create":
+        r = httpx.post(base, json=body | {"name": args.name}, headers=headers)
+    elif args.action == "list":
+        r = httpx.get(base, headers=headers)
+    elif args.action == "show":
+        r = httpx.get(f"{base}/{args.name}", headers=headers)
+    elif args.action == "update":
+        r = httpx.post(f"{base}/{args.name}", json=body, headers=headers)
+    else:
+        r = httpx.delete(f"{base}/{args.name}", headers=headers)
+    print(json.dumps(r.json(), indent=2))
+    if args.action == "create" and r.status_code == 200:
+        print("The key is shown once: keep it now.", file=sys.stderr)
+    return 0 if r.status_code == 200 else 1
+
+
+def _keys_parser(sub: Any) -> None:
+    p_keys = sub.add_parser("keys", help="manage API keys at run time (needs CHATQ_ADMIN_KEY)")
+    actions = p_keys.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every key, with its limits")
+    for action, doc in (("create", "a new key: printed once"), ("update", "change a key's limits")):
+        p = actions.add_parser(action, help=doc)
+        p.add_argument("name")
+        p.add_argument("--rpm", type=int, help="requests per minute (0: none)")
+        p.add_argument("--tpm", type=int, help="tokens per minute, prompt plus max_tokens (0: none)")
+        p.add_argument("--models", help="comma-separated models it may use (default: all)")
+        p.add_argument("--expires-at", type=int, help="when it stops working, in Unix seconds")
+    for action, doc in (("show", "one key"), ("revoke", "refuse a key from now on")):
+        actions.add_parser(action, help=doc).add_argument("name")
+
+
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """CHATQ_ variables that name no setting: a misspelt CHATQ_REDIS_URI would otherwise start a private Redis."""
     known = {f"CHATQ_{name.upper()}" for name in Settings.model_fields}
@@ -357,14 +401,17 @@ def _parser() -> argparse.ArgumentParser:
     p_job = sub.add_parser("job", help="get or cancel a job")
     p_job.add_argument("action", choices=["get", "cancel"])
     p_job.add_argument("id")
+    _keys_parser(sub)
     return parser
 
 
 def _client(settings: Settings, args: argparse.Namespace) -> int:
-    """`chatq chat` or `chatq job`, with the exit code a shell expects when the reader or the API goes away."""
+    """`chatq chat`, `job` or `keys`, with the exit code a shell expects when the reader or the API goes away."""
     try:
         if args.command == "job":
             return job(settings, args.action, args.id)
+        if args.command == "keys":
+            return keys_command(settings, args)
         return chat(settings, args.prompt, args.max_tokens, args.temperature)
     except BrokenPipeError:
         # The reader went away (`chatq chat ... | head`); leaving closes the stream, cancelling the job. stdout
@@ -397,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         prepare_model()
         return 0
-    if args.command in ("chat", "job"):
+    if args.command in ("chat", "job", "keys"):
         return _client(settings, args)
     if not settings.redis_url:
         parser.error("set CHATQ_REDIS_URL (or use `chatq up`, which starts a Redis of its own)")

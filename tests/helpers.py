@@ -114,6 +114,7 @@ def _env(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str
         CHATQ_WORKER_CONCURRENCY=str(settings.worker_concurrency),
         CHATQ_SSE_KEEPALIVE=str(settings.sse_keepalive),
         CHATQ_API_KEYS=settings.api_keys.get_secret_value(),
+        CHATQ_ADMIN_KEY=settings.admin_key.get_secret_value(),
         CHATQ_MAX_QUEUED=str(settings.max_queued),
         CHATQ_MAX_BODY_BYTES=str(settings.max_body_bytes),
         CHATQ_LOG_FORMAT=settings.log_format,

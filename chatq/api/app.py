@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import batches, errors, files, metrics, responses
+from chatq.api import admin, batches, errors, files, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.batch_files import BatchFiles
 from chatq.api.batch_runner import BatchRunner
 from chatq.api.jobs import JobStore
+from chatq.api.limits import Limits
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.routes import PLAYGROUND, Service, open_router, router
@@ -48,8 +49,9 @@ def redis_client(settings: Settings) -> aioredis.Redis:
 def create_app(settings: Settings) -> FastAPI:
     client = redis_client(settings)
     store = JobStore(client, make_celery(settings), settings)
-    service = Service(settings, client, store, Relay(client, settings.redis_url), Models(client, settings))
-    api_keys = Keys(settings)
+    relay = Relay(client, settings.redis_url)
+    service = Service(settings, client, store, relay, Models(client, settings), Limits(client, relay))
+    api_keys = Keys(settings, client)
     stored = files.Files(client, file_store(settings), settings)
     batch_files = BatchFiles(stored)
     runner = BatchRunner(service, batch_files)
@@ -64,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        await service.limits.close()
         await client.aclose()
         telemetry.shutdown()
         gc.unfreeze()
@@ -85,6 +88,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(admin.router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.

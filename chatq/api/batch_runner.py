@@ -320,7 +320,14 @@ class LineRun:
             ready = await responses.prepare(self.svc, body, owner, "resp_" + request_id)
             chat = _last(ready.chat)
             await self.svc.store.submit(
-                chat, "response", ready.model, [ready.prompt_ids], request_id, owner, response=ready.stored, line=True
+                chat,
+                "response",
+                ready.model.name,
+                [ready.prompt_ids],
+                request_id,
+                owner,
+                response=ready.stored,
+                line=True,
             )
             return
         model = await self.svc.models.get(self.model)

@@ -20,7 +20,8 @@ from chatq.api.auth import Owner, authenticate
 from chatq.api.batch_files import BatchFiles
 from chatq.api.files import Files
 from chatq.api.models import Models
-from chatq.core import batches, files, keys
+from chatq.core import api_keys, batches, files, keys
+from chatq.core.api_keys import ApiKey
 from chatq.core.batches import Batch, LineCheck, LineError
 from chatq.core.errors import BadRequest, BatchNotFound, FileNotFound, ModelNotFound
 from chatq.core.filestore import chunks
@@ -143,7 +144,7 @@ class Batches:
         except FileNotFound:
             check, errors = None, [LineError("invalid_file", "The input file is gone.", None, "input_file_id")]
         if check is not None and not errors:
-            errors = await self._check_models(check)
+            errors = await self._check_models(check, await api_keys.by_hash(self.redis, batch.owner))
         if errors:
             views = [e.view() for e in errors[: batches.MAX_ERRORS]]
             await batches.move(self.redis, batch.id, ("validating",), "failed", batch.webhooks, errors=views)
@@ -173,11 +174,12 @@ class Batches:
             errors.append(LineError("empty_file", "The input file has no requests.", None, "input_file_id"))
         return check, errors
 
-    async def _check_models(self, check: LineCheck) -> list[LineError]:
+    async def _check_models(self, check: LineCheck, key: ApiKey | None) -> list[LineError]:
+        """`key`: the managed key of the batch's owner, if it is one."""
         errors = []
         for model, line in check.models.items():
             try:
-                await self.models.get(model or None)
+                await self.models.get(model or None, key=key)
             except ModelNotFound as e:
                 errors.append(LineError("model_not_found", e.message, line, "body.model"))
         if len(check.models) > 1 and not errors:

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from chatq.api.admission import ServedModel
 from chatq.core import keys, registry
+from chatq.core.api_keys import ApiKey
 from chatq.core.errors import ModelNotFound, NoLiveWorker, RedisUnreachable
 from chatq.core.settings import Settings
 
@@ -40,10 +41,13 @@ class Models:
         """fn(*args) in one of the render threads."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
-    async def get(self, name: str | None, need_worker: bool = False) -> ServedModel:
+    async def get(self, name: str | None, need_worker: bool = False, key: ApiKey | None = None) -> ServedModel:
         """The model a request names (none: CHATQ_MODEL_NAME). `need_worker`: the request waits for its answer, so
-        a model without a live worker is a 503 rather than a job left waiting."""
+        a model without a live worker is a 503 rather than a job left waiting. `key`: the managed key asking, to
+        which a model it may not use is not found."""
         name = name or self.settings.model_name
+        if key is not None and not key.allows(name):
+            raise ModelNotFound(name)
         await self._fresh(REFRESH)
         if name not in self.served or (need_worker and not self.workers.get(name)):
             await self._fresh(MISS_REFRESH)

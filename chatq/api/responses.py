@@ -4,7 +4,7 @@ and stream events are chatq.core's responses_request, response_object and respon
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from chatq.api.admission import ServedModel
 from chatq.api.auth import Owner, authenticate
 from chatq.api.routes import (
     MAX_SEQ,
@@ -21,10 +22,12 @@ from chatq.api.routes import (
     Svc,
     cancel_job,
     done_or_disconnected,
+    submit_within_limits,
     valid_json,
 )
 from chatq.api.sse import EventStream, event_stream
 from chatq.core import telemetry
+from chatq.core.api_keys import ApiKey
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
 from chatq.core.job import Job, JobStatus
@@ -64,43 +67,51 @@ async def _history(svc: Service, body: ResponsesRequest, owner: str) -> list[dic
 class Prepared:
     """A response's chat job, ready to submit: its model, chat request and prompt, and the response's own fields."""
 
-    model: str
+    model: ServedModel
     chat: ChatCompletionRequest
     prompt_ids: list[int]
     stored: dict[str, Any]
 
 
-async def prepare(svc: Service, body: ResponsesRequest, owner: str, response_id: str) -> Prepared:
+async def prepare(
+    svc: Service, body: ResponsesRequest, owner: str, response_id: str, key: ApiKey | None = None
+) -> Prepared:
     """The chat job that answers `body` as response `response_id`."""
     if body.background and not body.store:
         raise BadRequest("A background response must be stored: background needs store true.", "store")
-    model = await svc.models.get(body.model, need_worker=not body.background)
+    model = await svc.models.get(body.model, need_worker=not body.background, key=key)
     context = await _history(svc, body, owner)
     items = input_items(body, response_id)
     chat, names = chat_request(body, context, items)
     with names.renaming_errors():
         prompt_ids = await svc.models.off_loop(model.chat_prompt, chat)
-    return Prepared(model.name, chat, prompt_ids, {"request": body.echo(), "input": items, "context": context})
+    return Prepared(model, chat, prompt_ids, {"request": body.echo(), "input": items, "context": context})
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
     # The id is chosen here, so the input items' ids can carry it.
     request_id = sub.request_id or uuid.uuid4().hex
-    ready = await prepare(svc, body, sub.owner, "resp_" + request_id)
-    job, _, created = await svc.store.submit(
-        ready.chat,
-        "response",
-        ready.model,
-        [ready.prompt_ids],
-        request_id,
-        sub.owner,
-        sub.idempotency_key,
-        telemetry.job_trace(request.headers),
-        response=ready.stored,
-    )
+    ready = await prepare(svc, body, sub.owner, "resp_" + request_id, sub.key)
+    trace = telemetry.job_trace(request.headers)
+
+    def submit() -> Awaitable[tuple[Job, int | None, bool]]:
+        return svc.store.submit(
+            ready.chat,
+            "response",
+            ready.model.name,
+            [ready.prompt_ids],
+            request_id,
+            sub.owner,
+            sub.idempotency_key,
+            trace,
+            response=ready.stored,
+        )
+
+    job, _, created, taken = await submit_within_limits(svc, sub, ready.chat, ready.model, [ready.prompt_ids], submit)
     answer = await _answer(svc, body, job, request, created and not body.background)
     answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`
+    answer.headers.update(taken.headers() if taken else {})
     return answer
 
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,13 +20,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from chatq.api.admission import ServedModel
-from chatq.api.auth import Owner, authenticate
+from chatq.api.auth import CallerOf, Owner, authenticate
 from chatq.api.errors import BodyTooLarge, job_error_response
 from chatq.api.jobs import JobStore, Page
+from chatq.api.limits import Limits, Taken, reserved_tokens
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
 from chatq.core import registry, telemetry
+from chatq.core.api_keys import ApiKey
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import (
@@ -38,6 +40,7 @@ from chatq.core.errors import (
     ServiceUnavailable,
 )
 from chatq.core.job import Event, Job, JobStatus
+from chatq.core.requests import GenerationRequest
 from chatq.core.settings import Settings
 from chatq.core.tokenize_request import DetokenizeRequest, TokenizeRequest
 
@@ -55,6 +58,7 @@ class Service:
     store: JobStore
     relay: Relay
     models: Models
+    limits: Limits
 
 
 def _service(request: Request) -> Service:
@@ -133,16 +137,17 @@ class Submit:
     owner: str
     request_id: str | None
     idempotency_key: str | None
+    key: ApiKey | None = None  # a managed key's record: the models it may use
 
 
 async def _submit_headers(
-    owner: Owner,
+    caller: CallerOf,
     x_request_id: str | None = Header(default=None),
     idempotency_key: str | None = Header(default=None),
 ) -> Submit:
     if idempotency_key is not None and not IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters.", "Idempotency-Key")
-    return Submit(owner, x_request_id, idempotency_key)
+    return Submit(caller.owner, x_request_id, idempotency_key, caller.key)
 
 
 SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
@@ -150,16 +155,16 @@ SubmitHeaders = Annotated[Submit, Depends(_submit_headers)]
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
-    model = await svc.models.get(body.model, need_worker=not body.background)
+    model = await svc.models.get(body.model, need_worker=not body.background, key=sub.key)
     prompt_ids = await svc.models.off_loop(model.chat_prompt, body)
-    return await _respond(svc, body, "chat", model.name, [prompt_ids], request, sub)
+    return await _respond(svc, body, "chat", model, [prompt_ids], request, sub)
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, svc: Svc, sub: SubmitHeaders) -> Any:
-    model = await svc.models.get(body.model, need_worker=not body.background)
+    model = await svc.models.get(body.model, need_worker=not body.background, key=sub.key)
     prompts = await svc.models.off_loop(model.text_prompts, body)
-    return await _respond(svc, body, "text", model.name, prompts, request, sub)
+    return await _respond(svc, body, "text", model, prompts, request, sub)
 
 
 @router.get("/v1/chat/completions")
@@ -235,8 +240,8 @@ async def delete_chat_completion(job_id: str, svc: Svc, owner: Owner) -> Any:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, svc: Svc) -> Any:
-    return await svc.models.off_loop(_tokenize, await svc.models.get(body.model), body)
+async def tokenize(body: TokenizeRequest, svc: Svc, caller: CallerOf) -> Any:
+    return await svc.models.off_loop(_tokenize, await svc.models.get(body.model, key=caller.key), body)
 
 
 def _tokenize(model: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
@@ -251,8 +256,8 @@ def _tokenize(model: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, svc: Svc) -> Any:
-    return await svc.models.off_loop(_detokenize, await svc.models.get(body.model), body)
+async def detokenize(body: DetokenizeRequest, svc: Svc, caller: CallerOf) -> Any:
+    return await svc.models.off_loop(_detokenize, await svc.models.get(body.model, key=caller.key), body)
 
 
 def _detokenize(model: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
@@ -275,14 +280,15 @@ async def version() -> Any:
 
 
 @router.get("/v1/models")
-async def list_models(svc: Svc) -> Any:
-    """The models with a live worker, as vLLM lists its served model."""
-    return {"object": "list", "data": [_card(model) for model, _ in await svc.models.live()]}
+async def list_models(svc: Svc, caller: CallerOf) -> Any:
+    """The models with a live worker that the caller may use, as vLLM lists its served model."""
+    live = [model for model, _ in await svc.models.live() if caller.key is None or caller.key.allows(model.name)]
+    return {"object": "list", "data": [_card(model) for model in live]}
 
 
 @router.get("/v1/models/{model}")
-async def retrieve_model(model: str, svc: Svc) -> Any:
-    return _card(await svc.models.get(model))
+async def retrieve_model(model: str, svc: Svc, caller: CallerOf) -> Any:
+    return _card(await svc.models.get(model, key=caller.key))
 
 
 def _card(model: ServedModel) -> dict[str, Any]:
@@ -317,7 +323,7 @@ async def _respond(
     svc: Service,
     body: ChatCompletionRequest | CompletionRequest,
     kind: Literal["chat", "text"],
-    model: str,
+    model: ServedModel,
     prompts: list[list[int]],
     request: Request,
     sub: Submit,
@@ -328,12 +334,40 @@ async def _respond(
     cancels it when its client disconnects: a retry that goes away leaves the job to the others waiting on it.
     """
     request_id = sub.request_id or body.request_id
-    job, position, created = await svc.store.submit(
-        body, kind, model, prompts, request_id, sub.owner, sub.idempotency_key, telemetry.job_trace(request.headers)
-    )
+    trace = telemetry.job_trace(request.headers)
+
+    def submit() -> Awaitable[tuple[Job, int | None, bool]]:
+        return svc.store.submit(body, kind, model.name, prompts, request_id, sub.owner, sub.idempotency_key, trace)
+
+    job, position, created, taken = await submit_within_limits(svc, sub, body, model, prompts, submit)
     answer = await _answer(svc, body, job, position, request, created and not body.background)
     answer.headers["x-request-id"] = job.id  # the openai SDK's `_request_id`: the id to look the job up by
+    answer.headers.update(taken.headers() if taken else {})
     return answer
+
+
+async def submit_within_limits(
+    svc: Service,
+    sub: Submit,
+    body: GenerationRequest,
+    model: ServedModel,
+    prompts: list[list[int]],
+    submit: Callable[[], Awaitable[tuple[Job, int | None, bool]]],
+) -> tuple[Job, int | None, bool, Taken | None]:
+    """`submit()`'s job, its queue position and whether it was created, once the request was taken from its key's
+    limits (raises RateLimited); what it took, for the answer's x-ratelimit-* headers."""
+    taken = await svc.limits.take(sub.key, sub.owner, model.name, reserved_tokens(body, prompts, model.info))
+    everything = taken.verdict.tokens if taken else 0
+    try:
+        job, position, created = await submit()
+    except Exception:
+        await svc.limits.give_back(sub.owner, taken, True, everything)
+        raise
+    if created:
+        svc.limits.give_back_unused(sub.owner, taken, job.id)
+    else:  # an idempotent repeat: the first request took what this job uses
+        await svc.limits.give_back(sub.owner, taken, True, everything)
+    return job, position, created, taken
 
 
 async def _answer(

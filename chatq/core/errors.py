@@ -66,6 +66,12 @@ class BatchNotFound(NotFound):
         super().__init__(f"No such Batch object: {shown}", param)
 
 
+class ApiKeyNotFound(NotFound):
+    def __init__(self, name: str):
+        shown = name if len(name) <= 200 else name[:200] + "..."
+        super().__init__(f"No API key named '{shown}'.", "name")
+
+
 class JobGone(NotFound):
     """A stream whose job was deleted or expired while it was open or before it resumed."""
 
@@ -81,6 +87,18 @@ class AuthenticationFailed(ChatqError):
     def __init__(self) -> None:
         super().__init__(
             "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+class AdminKeyRequired(ChatqError):
+    """An admin route called without the admin key (or on an API that has none)."""
+
+    status, type = 401, "AuthenticationError"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This route needs the admin key (CHATQ_ADMIN_KEY); send it as `Authorization: Bearer <key>`.",
             headers={"WWW-Authenticate": "Bearer"},
         )
 
@@ -102,6 +120,22 @@ class QueueFull(ChatqError):
             f"Too many requests are waiting for model `{model}`; retry later.",
             headers={"Retry-After": str(retry_after)},
         )
+
+
+class RateLimited(ChatqError):
+    """A managed key past its requests or tokens per minute, as OpenAI says so: `type` is which, the code
+    `rate_limit_exceeded`, and the wait in the message and in `retry-after`."""
+
+    status, code = 429, "rate_limit_exceeded"
+
+    def __init__(self, message: str, type_: str, headers: dict[str, str]) -> None:
+        super().__init__(message, headers=headers)
+        self.type = type_
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["code"] = self.code
+        return body
 
 
 class UploadLapsed(ChatqError):

@@ -18,7 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from chatq.core import keys
-from chatq.core.lua import LuaFunction, Script
+from chatq.core.lua import SERVER_NOW, Script
 
 # What a client may upload a file for (OpenAI's purposes); `batch_output` is chatq's own, for a batch's results.
 Purpose = Literal["assistants", "batch", "fine-tune", "vision", "user_data", "evals"]
@@ -86,21 +86,12 @@ class FileRecord:
         }
 
 
-_NOW = LuaFunction(
-    """
-local function server_now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-"""
-)
-
 # An upload's lease in the due set, lengthened to `lease_end`: only while it has not run out, as the sweep may then have
 # deleted what the upload stored.
 _EXTEND = Script(
     keys=("due",),
     args=("file_id", "lease_end"),
-    uses=(_NOW,),
+    uses=(SERVER_NOW,),
     body="""
 local score = redis.call('ZSCORE', due, file_id)
 if not score or tonumber(score) <= server_now() then
@@ -117,7 +108,7 @@ _COMMIT = Script(
     keys=("record", "listing", "due"),
     args=("file_id", "listed_at", "expires_at"),
     tail="fields",
-    uses=(_NOW,),
+    uses=(SERVER_NOW,),
     body="""
 local score = redis.call('ZSCORE', due, file_id)
 if not score or tonumber(score) <= server_now() then
@@ -139,7 +130,7 @@ return 1
 _TAKE = Script(
     keys=("record", "listing", "due"),
     args=("file_id", "due_only"),
-    uses=(_NOW,),
+    uses=(SERVER_NOW,),
     body="""
 local score = redis.call('ZSCORE', due, file_id)
 if due_only ~= '' and (not score or tonumber(score) > server_now()) then

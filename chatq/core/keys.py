@@ -129,6 +129,20 @@ def files_due() -> str:
     return f"{PREFIX}:files:due"
 
 
+def api_key(key_hash: str) -> str:
+    """A managed API key's record (chatq.core.api_keys), by the SHA-256 of its secret."""
+    return f"{PREFIX}:apikey:{key_hash}"
+
+
+def api_key_names() -> str:
+    return f"{PREFIX}:apikeys"
+
+
+def rate_bucket(owner: str, kind: str) -> str:
+    """A managed key's bucket of `requests` or `tokens` per minute (chatq.core.rate_limits)."""
+    return f"{PREFIX}:rate:{owner}:{kind}"
+
+
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
@@ -251,6 +265,19 @@ LAYOUT = (
         "hash",
         "how many batches are in each status (`validating`, `in_progress`, ...), kept by the script that moves "
         "them; read by `/metrics`",
+    ),
+    Entry(
+        (api_key("{hash}"),),
+        "string",
+        "a managed API key's record, by the SHA-256 of its secret (JSON: `name`, `hash`, `redacted`, `created_at`, "
+        "`expires_at`, `limits`) ([keys](keys.md))",
+    ),
+    Entry((api_key_names(),), "hash", "each managed API key's name -> the hash of its secret"),
+    Entry(
+        (rate_bucket("{hash}", "requests"), rate_bucket("{hash}", "tokens")),
+        "hash",
+        "a managed key's requests and tokens left this minute: `level`, `at` (when it was that); expires once full "
+        "([keys](keys.md#limits))",
     ),
     Entry(
         (metrics("{model}"),),

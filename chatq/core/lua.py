@@ -181,3 +181,14 @@ local function push_webhooks(block, job, status)
   for _, m in ipairs(w.messages) do redis.call('LPUSH', w.queue, m[1] .. kind .. '.' .. status .. m[2]) end
 end
 """)
+
+
+# Seconds since the epoch by Redis' clock, which every process shares.
+SERVER_NOW = LuaFunction(
+    """
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from chatq.embedded_redis import EmbeddedRedis, free_port
 from tests.helpers import running_stack
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+ADMIN = "admin-key-5555555555"
 
 
 @dataclass
@@ -22,6 +24,7 @@ class Guarded:
     settings: Settings
     base: str
     r: redis.Redis
+    logs: Path
 
     def client(self, key: str | None = KEY_A) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -37,12 +40,13 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guarded]:
         worker_concurrency=2,
         sse_keepalive=0.25,
         api_keys=f"{KEY_A}, {KEY_B}",
+        admin_key=ADMIN,
         max_queued=3,
     )
     logs = tmp_path_factory.mktemp("guarded-logs")
     try:
         with running_stack(settings, logs) as base:
-            yield Guarded(settings, base, redis.Redis.from_url(server.url, decode_responses=True))
+            yield Guarded(settings, base, redis.Redis.from_url(server.url, decode_responses=True), logs)
     finally:
         server.stop()
     assert "open to anyone" not in (logs / "api.log").read_text()
