@@ -331,7 +331,7 @@ def job(settings: Settings, action: str, job_id: str) -> int:
     return 0 if r.status_code == 200 else 1
 
 
-_LIMITS = ("rpm", "tpm", "models", "expires_at")
+_LIMITS = ("rpm", "tpm", "in_flight", "models", "expires_at")
 
 
 def keys_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -369,6 +369,7 @@ def _keys_parser(sub: Any) -> None:
         p.add_argument("name")
         p.add_argument("--rpm", type=int, help="requests per minute (0: none)")
         p.add_argument("--tpm", type=int, help="tokens per minute, prompt plus max_tokens (0: none)")
+        p.add_argument("--in-flight", type=int, help="jobs queued or running at once (0: no cap)")
         p.add_argument("--models", help="comma-separated models it may use (default: all)")
         p.add_argument("--expires-at", type=int, help="when it stops working, in Unix seconds")
     for action, doc in (("show", "one key"), ("revoke", "refuse a key from now on")):

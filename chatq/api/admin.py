@@ -27,6 +27,7 @@ class KeyLimits(BaseModel):
 
     rpm: Limit = None
     tpm: Limit = None
+    in_flight: Limit = None
     models: list[str] = Field(default_factory=list, max_length=256)
     expires_at: PositiveInt | None = None
 

@@ -19,11 +19,11 @@ from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
 from chatq.core import api_scripts, keys, logs, telemetry
-from chatq.core.api_scripts import Listing, Outcome
+from chatq.core.api_scripts import InFlight, Listing, Outcome
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import cancelled_while_queued
 from chatq.core.completion_request import CompletionRequest
-from chatq.core.errors import BadRequest, Conflict, JobNotFound, QueueFull
+from chatq.core.errors import BadRequest, Conflict, InFlightFull, JobNotFound, QueueFull
 from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import BATCH_LANE, celery_priority, lane_score, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
@@ -93,11 +93,12 @@ class JobStore:
         trace: Mapping[str, str] = {},  # noqa: B006  (read only)
         response: dict[str, Any] | None = None,
         line: bool = False,
+        in_flight: int | None = None,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
         `idempotency_key` already names for this owner, with nothing enqueued. `prompts`: the prompt's ids, or each
         of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace). A batch's `line` goes
-        in the batch lane, unlisted and uncapped."""
+        in the batch lane, unlisted and uncapped. `in_flight`: the owner's cap on its jobs queued or running."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         job = Job(
@@ -121,11 +122,14 @@ class JobStore:
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         listing = None if line else Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         cap = 0 if line else self.settings.max_queued
-        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing, cap)
+        flight = InFlight(keys.in_flight(owner), in_flight, self.settings.result_ttl) if in_flight else None
+        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing, cap, flight)
         if done.outcome is Outcome.existing:
             return Submission(await self._named(done.job_id, owner, kind, idempotency_key), None, created=False)
         if done.outcome is Outcome.full:
             raise QueueFull(model, QUEUE_FULL_RETRY_AFTER)
+        if done.outcome is Outcome.busy:
+            raise InFlightFull(in_flight or 0)
         if done.outcome is Outcome.taken or done.rank is None:
             raise Conflict(f"A job with id '{job.id}' already exists; request ids must be unique.", "request_id")
         logs.bind(job.id, telemetry.ids(job.traceparent))
@@ -157,10 +161,11 @@ class JobStore:
         idem: str | None,
         listing: Listing | None,
         cap: int,
+        in_flight: InFlight | None,
     ) -> api_scripts.Submitted:
         """api_scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
         that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
-        args = (job_id, model, fields, queue, message, score, cap, idem, listing)
+        args = (job_id, model, fields, queue, message, score, cap, idem, listing, in_flight)
         if (wait := self.replicas.command()) is None:
             return await api_scripts.submit(self.redis, *args)
         async with self.redis.client() as pinned:

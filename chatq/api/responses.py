@@ -106,6 +106,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
             sub.idempotency_key,
             trace,
             response=ready.stored,
+            in_flight=sub.in_flight,
         )
 
     job, _, created, taken = await submit_within_limits(svc, sub, ready.chat, ready.model, [ready.prompt_ids], submit)

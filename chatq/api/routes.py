@@ -139,6 +139,10 @@ class Submit:
     idempotency_key: str | None
     key: ApiKey | None = None  # a managed key's record: the models it may use
 
+    @property
+    def in_flight(self) -> int | None:
+        return self.key.limits.in_flight if self.key else None
+
 
 async def _submit_headers(
     caller: CallerOf,
@@ -337,7 +341,9 @@ async def _respond(
     trace = telemetry.job_trace(request.headers)
 
     def submit() -> Awaitable[tuple[Job, int | None, bool]]:
-        return svc.store.submit(body, kind, model.name, prompts, request_id, sub.owner, sub.idempotency_key, trace)
+        return svc.store.submit(
+            body, kind, model.name, prompts, request_id, sub.owner, sub.idempotency_key, trace, in_flight=sub.in_flight
+        )
 
     job, position, created, taken = await submit_within_limits(svc, sub, body, model, prompts, submit)
     answer = await _answer(svc, body, job, position, request, created and not body.background)

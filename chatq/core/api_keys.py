@@ -43,6 +43,7 @@ class Limits:
 
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute: prompt plus max_tokens, reserved as a request is accepted
+    in_flight: int | None = None  # jobs queued or running at once
     models: tuple[str, ...] = ()  # the models it may use; empty: every model
 
 

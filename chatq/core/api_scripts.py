@@ -15,8 +15,9 @@ from chatq.core.job import Event
 from chatq.core.lua import EXTEND, PUSH_WEBHOOKS, Script, flat
 from chatq.core.queue import BATCH_LANE, lane_score
 
-# Returns {"queued", rank}, {"existing", id}, {"full"} or {"taken"}. The idempotent job's record key is completed
-# from the idempotency key's value, which Redis Cluster forbids (as the cancel script does).
+# Returns {"queued", rank}, {"existing", id}, {"full"}, {"busy"} or {"taken"}. The idempotent job's record key and
+# the keys of the owner's jobs in flight are completed from their ids, which Redis Cluster forbids (as the cancel
+# script does).
 _SUBMIT = Script(
     keys=(
         "job",
@@ -24,12 +25,15 @@ _SUBMIT = Script(
         "task_queue",  # the Celery queue's list
         "idem",  # the idempotency key; the record's key when the request has none
         "owner_jobs",  # the owner's list of jobs; the record's key when the job is not listed
+        "in_flight",  # the owner's jobs queued or running, when it has a cap on them; the record's key otherwise
     ),
     args=(
         "job_id",
         "score",
         "task",  # the Celery task message
         "max_queued",  # the cap on queued jobs; 0: none
+        "max_in_flight",  # the cap on the owner's jobs queued or running; 0: none
+        "in_flight_ttl",
         "batch_floor",  # the lowest score of a batch line, which the cap does not count
         "job_prefix",  # keys.job("")
         "has_idem",  # "1" when the request has an idempotency key
@@ -53,6 +57,17 @@ end
 if redis.call('EXISTS', job) == 1 then return {'taken'} end
 local cap = tonumber(max_queued)
 if cap > 0 and redis.call('ZCOUNT', queued, '-inf', '(' .. batch_floor) >= cap then return {'full'} end
+local flight = tonumber(max_in_flight)
+if flight > 0 then
+  -- Whatever ended, by any path, leaves here as its record says so: no end has to remember this set.
+  for _, id in ipairs(redis.call('ZRANGE', in_flight, 0, -1)) do
+    local status = redis.call('HGET', job_prefix .. id, 'status')
+    if status ~= 'queued' and status ~= 'in_progress' then redis.call('ZREM', in_flight, id) end
+  end
+  if redis.call('ZCARD', in_flight) >= flight then return {'busy'} end
+  redis.call('ZADD', in_flight, score, job_id)
+  extend(in_flight, in_flight_ttl)
+end
 redis.call('HSET', job, 'id', job_id, unpack(fields))
 redis.call('ZADD', queued, score, job_id)
 redis.call('LPUSH', task_queue, task)
@@ -71,6 +86,7 @@ class Outcome(StrEnum):
     queued = "queued"  # recorded and enqueued
     existing = "existing"  # the idempotency key names a live job: nothing was written
     full = "full"  # too many jobs wait for the model: nothing was written
+    busy = "busy"  # the owner has as many jobs in flight as it may: nothing was written
     taken = "taken"  # the job id belongs to another job: nothing was written
 
 
@@ -81,6 +97,16 @@ class Listing:
 
     key: str
     keep: int
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """An owner's cap on its jobs queued or running: the set of them (keys.in_flight), the cap, and the set's expiry,
+    lengthened by each submit."""
+
+    key: str
+    cap: int
     ttl: int
 
 
@@ -102,6 +128,7 @@ async def submit(
     max_queued: int = 0,
     idem: str | None = None,
     listing: Listing | None = None,
+    in_flight: InFlight | None = None,
 ) -> Submitted:
     """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get.
 
@@ -110,7 +137,7 @@ async def submit(
     and a taken id is refused (a repeated request_id never overwrites a job). `idem` is the idempotency key's Redis
     key (keys.idempotency); it is the record's `idem` field too, set with no expiry: the job's end expires it. With a
     `listing`, the job joins its owner's list (named in the record's `index`), whose oldest jobs past `listing.keep`
-    leave it.
+    leave it. With `in_flight`, an owner with as many jobs queued or running as its cap is refused.
     """
     fields = {**record, "idem": idem} if idem else dict(record)
     if listing is not None:
@@ -124,10 +151,13 @@ async def submit(
         task_queue=queue,
         idem=idem or record_key,
         owner_jobs=listing.key if listing is not None else record_key,
+        in_flight=in_flight.key if in_flight is not None else record_key,
         job_id=job_id,
         score=score,
         task=message,
         max_queued=max_queued,
+        max_in_flight=in_flight.cap if in_flight is not None else 0,
+        in_flight_ttl=in_flight.ttl if in_flight is not None else 0,
         batch_floor=lane_score(BATCH_LANE, 0),
         job_prefix=keys.job(""),
         has_idem="1" if idem else "0",

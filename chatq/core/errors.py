@@ -138,6 +138,17 @@ class RateLimited(ChatqError):
         return body
 
 
+class InFlightFull(RateLimited):
+    """A managed key with as many jobs queued or running as it may have: nothing was enqueued."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(
+            f"Too many requests in flight for this API key: Limit {cap}. Retry once one of them has finished.",
+            "requests",
+            {"retry-after": "1", "retry-after-ms": "1000"},
+        )
+
+
 class UploadLapsed(ChatqError):
     """An upload that stalled past its lease: the sweep deleted what it had stored, so nothing of it is kept."""
 

@@ -138,6 +138,11 @@ def api_key_names() -> str:
     return f"{PREFIX}:apikeys"
 
 
+def in_flight(owner: str) -> str:
+    """A managed key's jobs queued or running, when it has a cap on them."""
+    return f"{PREFIX}:inflight:{owner}"
+
+
 def rate_bucket(owner: str, kind: str) -> str:
     """A managed key's bucket of `requests` or `tokens` per minute (chatq.core.rate_limits)."""
     return f"{PREFIX}:rate:{owner}:{kind}"
@@ -273,6 +278,12 @@ LAYOUT = (
         "`expires_at`, `limits`) ([keys](keys.md))",
     ),
     Entry((api_key_names(),), "hash", "each managed API key's name -> the hash of its secret"),
+    Entry(
+        (in_flight("{hash}"),),
+        "zset",
+        "a managed key's job ids queued or running, scored by submit, kept when it has an `in_flight` cap; each submit "
+        "drops those whose record ended",
+    ),
     Entry(
         (rate_bucket("{hash}", "requests"), rate_bucket("{hash}", "tokens")),
         "hash",

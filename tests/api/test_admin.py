@@ -50,6 +50,7 @@ def test_a_key_created_at_run_time_serves_at_once_and_owns_what_it_creates(guard
         "expires_at": None,
         "rpm": 60,
         "tpm": 10_000,
+        "in_flight": None,
         "models": [model],
     }
     answer = sdk(guarded.base, secret).chat.completions.create(
@@ -176,8 +177,8 @@ def test_chatq_keys_creates_lists_updates_and_revokes(guarded):
     assert "shown once" in made.stderr
     sdk(guarded.base, key["value"]).models.list()
     assert name in {k["name"] for k in json.loads(chatq("list").stdout)["data"]}
-    updated = json.loads(chatq("update", name, "--rpm", "0", "--tpm", "7000").stdout)
-    assert (updated["rpm"], updated["tpm"], updated["models"]) == (None, 7000, ["a", "b"])
+    updated = json.loads(chatq("update", name, "--rpm", "0", "--tpm", "7000", "--in-flight", "2").stdout)
+    assert (updated["rpm"], updated["tpm"], updated["in_flight"], updated["models"]) == (None, 7000, 2, ["a", "b"])
     assert chatq("revoke", name).returncode == 0
     assert chatq("show", name).returncode == 1
     refused = subprocess.run(

@@ -100,6 +100,21 @@ def test_tokens_a_job_did_not_use_come_back_when_it_ends(guarded):
     assert left > left_after_long + 500
 
 
+def test_a_key_at_its_cap_of_jobs_in_flight_is_refused_until_one_ends(guarded):
+    key = managed(guarded, in_flight=1)
+    http = guarded.client(key)
+    long = {"messages": M, "max_tokens": 400, "ignore_eos": True, "background": True}
+    first = http.post("/v1/chat/completions", json=long).json()
+    refused = http.post("/v1/chat/completions", json={"messages": M, "max_tokens": 1})
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded") and "Limit 1" in error["message"]
+    # Another key is not held back by it.
+    assert guarded.client().post("/v1/chat/completions", json={"messages": M, "max_tokens": 1}).status_code == 200
+    assert http.post(f"/v1/chat/completions/{first['id']}/cancel").json()["status"] == "cancelled"
+    assert http.post("/v1/chat/completions", json={"messages": M, "max_tokens": 1}).status_code == 200
+
+
 def test_keys_without_limits_answer_without_the_headers(guarded):
     for key in (managed(guarded), guarded.settings.api_key_list[0]):
         r = guarded.client(key).post("/v1/chat/completions", json={"messages": M, "max_tokens": 1})

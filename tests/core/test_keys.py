@@ -40,6 +40,7 @@ EXAMPLES = {
     keys.api_key: ("0f",),
     keys.api_key_names: (),
     keys.rate_bucket: ("0f", "tokens"),
+    keys.in_flight: ("0f",),
     keys.celery_queue: ("m",),
     keys.celery_lane: (keys.celery_queue("m"), 3),
     keys.webhook_queue: (),
