@@ -30,7 +30,7 @@ from chatq.core.errors import ChatqError, Conflict, ModelNotFound
 from chatq.core.filestore import StoredFileMissing
 from chatq.core.job import Job, JobStatus
 from chatq.core.lua import Script
-from chatq.core.queue import BATCH_ENGINE_PRIORITY
+from chatq.core.priority import BATCH_ENGINE_PRIORITY
 from chatq.core.responses_request import ResponsesRequest
 
 log = logging.getLogger(__name__)

@@ -24,14 +24,6 @@ SENTINEL_TRANSPORT = "chatq.core.broker:SentinelTransport"
 LANES_PER_KIND = 5
 BATCH_LANE = 2 * LANES_PER_KIND
 PRIORITY_LANES = BATCH_LANE + 1
-# Added to a batch line's `priority` in its worker's engine: any other sequence waiting there is admitted first, and
-# a batch line is preempted first.
-BATCH_ENGINE_PRIORITY = 1 << 20
-
-
-def is_batch_line(engine_priority: int) -> bool:
-    """Whether a request's priority, as its worker's engine sees it, is a batch line's."""
-    return engine_priority >= BATCH_ENGINE_PRIORITY
 
 
 def celery_priority(priority: int, background: bool = False) -> int:

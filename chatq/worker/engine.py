@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from chatq.core import logs
-from chatq.core.queue import is_batch_line
+from chatq.core.priority import is_batch_line
 from chatq.worker import device, selfcheck
 from chatq.worker.batching import Scored, build_batch, score
 from chatq.worker.blocks import BlockManager

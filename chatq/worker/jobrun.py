@@ -20,7 +20,7 @@ from chatq.core.delta import Delta
 from chatq.core.errors import BadRequest, ChatqError, InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
 from chatq.core.model_info import ModelInfo
-from chatq.core.queue import is_batch_line
+from chatq.core.priority import is_batch_line
 from chatq.core.render import bad_words_ids
 from chatq.core.settings import Settings
 from chatq.worker.choice import Choice, add_ids, call_id, echo_text, echo_with_logprobs, prompt_logprobs

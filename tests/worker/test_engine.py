@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatq.core.chat_request import ChatCompletionRequest
-from chatq.core.queue import BATCH_ENGINE_PRIORITY
+from chatq.core.priority import BATCH_ENGINE_PRIORITY
 from chatq.core.render import Renderer
 from chatq.core.settings import Settings
 from chatq.worker import attention, sampler

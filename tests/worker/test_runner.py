@@ -18,7 +18,8 @@ from chatq.core import keys
 from chatq.core.delta import Delta
 from chatq.core.errors import JobNotFound
 from chatq.core.job import JobStatus
-from chatq.core.queue import BATCH_ENGINE_PRIORITY, make_celery
+from chatq.core.priority import BATCH_ENGINE_PRIORITY
+from chatq.core.queue import make_celery
 from chatq.core.settings import Settings
 from chatq.worker import jobrun as jobrun_module
 from chatq.worker.detokenize import Decoder
