@@ -144,12 +144,13 @@ def body(model: str, mode: str, max_tokens: int) -> dict[str, Any]:
     return b
 
 
-def session(timeout: float) -> aiohttp.ClientSession:
+def session(timeout: float, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     # aiohttp, not httpx, in this client: its C parsers cost a fraction of httpx's pure-Python HTTP/1.1 per request
     # and per received chunk, and this client shares the machine's cores with the services it measures.
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),  # no pool limit: every stream and request gets its own connection
         timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=30),
+        headers=headers,
     )
 
 
@@ -182,10 +183,12 @@ async def one_request(client: aiohttp.ClientSession, url: str, b: dict[str, Any]
     return Sample(send, first, time.time(), job_id, error)
 
 
-async def open_loop(url: str, b: dict[str, Any], rate: float, duration: float) -> tuple[list[Sample], float]:
+async def open_loop(
+    url: str, b: dict[str, Any], rate: float, duration: float, headers: dict[str, str] | None = None
+) -> tuple[list[Sample], float]:
     """Sends request i at start + i / rate whatever the answers do; returns the samples and the sending time."""
     n = max(1, int(rate * duration))
-    async with session(timeout=60) as client:
+    async with session(timeout=60, headers=headers) as client:
         tasks = []
         start = time.time()
         for i in range(n):

@@ -7,11 +7,11 @@ import time
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from chatq.api.auth import Admin
-from chatq.core import api_keys
+from chatq.core import api_keys, usage
 from chatq.core.api_keys import ApiKey, Limits
 from chatq.core.errors import ApiKeyNotFound, BadRequest, Conflict
 
@@ -91,6 +91,13 @@ async def update_key(name: Name, body: KeyLimits, request: Request) -> Any:
     if updated is None:
         raise ApiKeyNotFound(name)
     return updated.view()
+
+
+@router.get("/{name}/usage")
+async def key_usage(name: Name, request: Request, days: int = Query(7, ge=1, le=usage.KEPT_DAYS)) -> Any:
+    """The key's requests, input and output tokens per day (UTC) and model, over the last `days` days."""
+    key = await _key(request, name)
+    return {"object": "list", "name": name, "data": await usage.read(_client(request), key.hash, days, time.time())}
 
 
 @router.delete("/{name}")

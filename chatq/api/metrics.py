@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chatq.core import keys
+from chatq.core import api_keys, keys, usage
 from chatq.core import metrics as m
 from chatq.core.batches import STATUSES
 
@@ -78,6 +78,7 @@ def http_counter(registry: CollectorRegistry) -> Counter:
 async def metrics(request: Request) -> Response:
     service = request.app.state.service
     families = await read_models(service.redis, service.settings.model_name) + await read_batches(service.redis)
+    families += await read_keys(service.redis)
     scrape = _Scrape([request.app.state.metrics_registry, families])
     return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
@@ -117,6 +118,25 @@ async def read_batches(client: aioredis.Redis) -> list[Metric]:
     for status in ("completed", "failed"):
         answered.add_metric([status], int(lines.get(status) or 0))
     return [gauge, answered]
+
+
+async def read_keys(client: aioredis.Redis) -> list[Metric]:
+    """Each managed key's usage since it began, labelled by the key's name: only managed keys have names, and only
+    an admin makes them, so the labels stay few."""
+    named = await api_keys.listing(client)
+    spent = await usage.totals(client, [k.hash for k in named])
+    families: list[Metric] = []
+    for measure, doc in (
+        ("requests", "Requests of each managed API key, by model."),
+        ("input_tokens", "Prompt tokens of each managed API key's requests, by model."),
+        ("output_tokens", "Output tokens of each managed API key's requests, by model."),
+    ):
+        counter = CounterMetricFamily(m.PREFIX + f"api_key_{measure}", doc, labels=["api_key", *LABELS])
+        for key, by_model in zip(named, spent, strict=True):
+            for model, amounts in sorted(by_model.items()):
+                counter.add_metric([key.name, model], amounts[measure])
+        families.append(counter)
+    return families
 
 
 def _gauges(readings: list[tuple[str, int, int, dict[str, str]]]) -> Iterator[Metric]:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import re
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from chatq.api.limits import Limits, Taken, reserved_tokens
 from chatq.api.models import Models
 from chatq.api.relay import Relay
 from chatq.api.sse import job_stream
-from chatq.core import registry, telemetry
+from chatq.core import registry, telemetry, usage
 from chatq.core.api_keys import ApiKey
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.completion_request import CompletionRequest
@@ -281,6 +282,12 @@ async def playground() -> FileResponse:
 @open_router.get("/version")
 async def version() -> Any:
     return {"version": importlib.metadata.version("chatq")}
+
+
+@router.get("/v1/usage")
+async def own_usage(svc: Svc, owner: Owner, days: int = Query(7, ge=1, le=usage.KEPT_DAYS)) -> Any:
+    """The caller's own requests, input and output tokens per day (UTC) and model, over the last `days` days."""
+    return {"object": "list", "data": await usage.read(svc.redis, owner, days, time.time())}
 
 
 @router.get("/v1/models")

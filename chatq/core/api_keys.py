@@ -151,8 +151,10 @@ async def by_name(client: aioredis.Redis, name: str) -> ApiKey | None:
 async def listing(client: aioredis.Redis) -> list[ApiKey]:
     """Every key, by name."""
     hashes: dict[str, str] = await client.hgetall(keys.api_key_names())  # type: ignore[assignment,misc]
-    found = [await by_hash(client, hashes[name]) for name in sorted(hashes)]
-    return [k for k in found if k is not None]
+    pipe = client.pipeline(transaction=False)
+    for name in sorted(hashes):
+        pipe.get(keys.api_key(hashes[name]))
+    return [ApiKey.from_json(raw) for raw in await pipe.execute() if raw is not None]
 
 
 async def update(client: aioredis.Redis, key: ApiKey, **changes: Any) -> ApiKey | None:

@@ -148,6 +148,11 @@ def rate_bucket(owner: str, kind: str) -> str:
     return f"{PREFIX}:rate:{owner}:{kind}"
 
 
+def usage(day: str, owner: str) -> str:
+    """An API key's usage on one day (chatq.core.usage), by the hash of the key."""
+    return f"{PREFIX}:usage:{day}:{owner}"
+
+
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
@@ -289,6 +294,12 @@ LAYOUT = (
         "hash",
         "a managed key's requests and tokens left this minute: `level`, `at` (when it was that); expires once full "
         "([keys](keys.md#limits))",
+    ),
+    Entry(
+        (usage("{YYYY-MM-DD}", "{hash}"), usage("total", "{hash}")),
+        "hash",
+        "an API key's usage that day (UTC), kept 90 days, and since it began: `{model}|requests`, "
+        "`{model}|input_tokens`, `{model}|output_tokens` ([keys](keys.md#usage))",
     ),
     Entry(
         (metrics("{model}"),),

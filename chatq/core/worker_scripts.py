@@ -10,7 +10,7 @@ import orjson
 import redis
 from redis.client import Pipeline
 
-from chatq.core import keys
+from chatq.core import keys, usage
 from chatq.core.job import Event
 from chatq.core.lua import EXTEND, PUSH_WEBHOOKS, Script, flat
 
@@ -137,6 +137,10 @@ _UPDATE_RECORD = Script(
         "last",  # "1" for the job's last write, "0" for progress
         "webhooks",  # the webhook block, which the last write sends once
         "increments",  # the last write's additions to the metrics hash: a JSON object of field -> amount (a string)
+        "usage_prefix",  # keys.usage(day, ""): the day's usage of the job's owner, completed with the owner
+        "total_prefix",  # keys.usage(usage.TOTAL, ""): the owner's usage since it began, likewise
+        "usage",  # the last write's additions to that usage: a JSON object of measure -> amount
+        "usage_ttl",
     ),
     tail="fields",  # the record's field/value pairs
     uses=(EXTEND, PUSH_WEBHOOKS),
@@ -149,6 +153,13 @@ if last == '1' then
   -- Counted once: a last write sent again (its reply lost) finds the job ended.
   if h[1] == 'in_progress' then
     for name, amount in pairs(cjson.decode(increments)) do redis.call('HINCRBYFLOAT', metrics, name, amount) end
+    local who = redis.call('HMGET', job, 'owner', 'model')
+    local used, total = usage_prefix .. (who[1] or ''), total_prefix .. (who[1] or '')
+    for name, amount in pairs(cjson.decode(usage)) do
+      redis.call('HINCRBY', used, who[2] .. '|' .. name, amount)
+      redis.call('HINCRBY', total, who[2] .. '|' .. name, amount)
+    end
+    redis.call('EXPIRE', used, usage_ttl)
   end
 end
 if h[3] then
@@ -180,8 +191,9 @@ def update_record(
     webhook: str = "",
 ) -> None:
     """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
-    model's running set, adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics) and, for a
-    background job, pushes its `webhook` messages (chatq.core.webhooks.WebhookMessages.block).
+    model's running set, adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics) and the
+    job's usage to its owner's (chatq.core.usage) and, for a background job, pushes its `webhook` messages
+    (chatq.core.webhooks.WebhookMessages.block).
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
@@ -202,5 +214,9 @@ def update_record(
         last=int(last),
         webhooks=webhook,
         increments=orjson.dumps(increments),
+        usage_prefix=keys.usage(usage.day(time.time()), ""),
+        total_prefix=keys.usage(usage.TOTAL, ""),
+        usage=orjson.dumps(usage.measures(metrics or {})),
+        usage_ttl=usage.KEPT_DAYS * 86400,
         fields=flat(fields),
     )

@@ -190,3 +190,39 @@ def test_chatq_keys_creates_lists_updates_and_revokes(guarded):
         timeout=60,
     )
     assert refused.returncode == 1 and "admin key" in refused.stdout
+
+
+def test_usage_is_counted_per_key_by_day_and_model(guarded):
+    model = guarded.settings.model_name
+    made = create(guarded)
+    client = sdk(guarded.base, made["value"])
+    answers = [client.chat.completions.create(model=model, messages=M, max_tokens=3) for _ in range(2)]
+    expected = {
+        "model": model,
+        "requests": 2,
+        "input_tokens": sum(a.usage.prompt_tokens for a in answers),
+        "output_tokens": sum(a.usage.completion_tokens for a in answers),
+    }
+
+    def summed(rows: list[dict]) -> dict:  # two days asked for: the test may cross midnight (UTC)
+        assert {r["model"] for r in rows} <= {model}
+        return {"model": model} | {m: sum(r[m] for r in rows) for m in ("requests", "input_tokens", "output_tokens")}
+
+    deadline = time.monotonic() + 5
+    while (
+        summed(admin(guarded).get(f"/v1/admin/keys/{made['name']}/usage", params={"days": 2}).json()["data"])
+        != expected
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    own = guarded.client(made["value"]).get("/v1/usage", params={"days": 2}).json()["data"]
+    assert summed(own) == expected and own[-1]["date"] == time.strftime("%Y-%m-%d", time.gmtime())
+    assert guarded.client(KEY_A).get("/v1/usage").json()["data"] != own  # each key reads its own
+    # /metrics counts it by its name (a managed key's; fixed keys have none).
+    scraped = httpx.get(f"{guarded.base}/metrics").text
+    labels = f'api_key="{made["name"]}",model_name="{model}"'
+    assert f"chatq:api_key_requests_total{{{labels}}} 2.0" in scraped
+    assert f"chatq:api_key_output_tokens_total{{{labels}}} {float(expected['output_tokens'])}" in scraped
+    assert made["value"] not in scraped and KEY_A not in scraped
+    bad = guarded.client(made["value"]).get("/v1/usage", params={"days": 0})
+    assert_error(bad, 400, "BadRequestError", "days")

@@ -41,6 +41,7 @@ EXAMPLES = {
     keys.api_key_names: (),
     keys.rate_bucket: ("0f", "tokens"),
     keys.in_flight: ("0f",),
+    keys.usage: ("2026-12-05", "0f"),
     keys.celery_queue: ("m",),
     keys.celery_lane: (keys.celery_queue("m"), 3),
     keys.webhook_queue: (),
