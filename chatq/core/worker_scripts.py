@@ -154,10 +154,10 @@ if last == '1' then
   if h[1] == 'in_progress' then
     for name, amount in pairs(cjson.decode(increments)) do redis.call('HINCRBYFLOAT', metrics, name, amount) end
     local who = redis.call('HMGET', job, 'owner', 'model')
-    local used, total = usage_prefix .. (who[1] or ''), total_prefix .. (who[1] or '')
+    local used, total, model = usage_prefix .. (who[1] or ''), total_prefix .. (who[1] or ''), who[2] or ''
     for name, amount in pairs(cjson.decode(usage)) do
-      redis.call('HINCRBY', used, who[2] .. '|' .. name, amount)
-      redis.call('HINCRBY', total, who[2] .. '|' .. name, amount)
+      redis.call('HINCRBY', used, model .. '|' .. name, amount)
+      redis.call('HINCRBY', total, model .. '|' .. name, amount)
     end
     redis.call('EXPIRE', used, usage_ttl)
   end
