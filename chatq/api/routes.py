@@ -285,9 +285,11 @@ async def version() -> Any:
 
 
 @router.get("/v1/usage")
-async def own_usage(svc: Svc, owner: Owner, days: int = Query(7, ge=1, le=usage.KEPT_DAYS)) -> Any:
-    """The caller's own requests, input and output tokens per day (UTC) and model, over the last `days` days."""
-    return {"object": "list", "data": await usage.read(svc.redis, owner, days, time.time())}
+async def own_usage(svc: Svc, caller: CallerOf, days: int = Query(7, ge=1, le=usage.KEPT_DAYS)) -> Any:
+    """The caller's own requests, input and output tokens per day (UTC) and model, over the last `days` days; and
+    its key's name and limits, if it is a managed key."""
+    rows = await usage.read(svc.redis, caller.owner, days, time.time())
+    return {"object": "list", "data": rows, "key": caller.key.view() if caller.key else None}
 
 
 @router.get("/v1/models")

@@ -218,6 +218,11 @@ def test_usage_is_counted_per_key_by_day_and_model(guarded):
     own = guarded.client(made["value"]).get("/v1/usage", params={"days": 2}).json()["data"]
     assert summed(own) == expected and own[-1]["date"] == time.strftime("%Y-%m-%d", time.gmtime())
     assert guarded.client(KEY_A).get("/v1/usage").json()["data"] != own  # each key reads its own
+    assert (
+        guarded.client(made["value"]).get("/v1/usage").json()["key"]
+        == admin(guarded).get(f"/v1/admin/keys/{made['name']}").json()
+    )
+    assert guarded.client(KEY_A).get("/v1/usage").json()["key"] is None  # a fixed key has no name nor limits
     # /metrics counts it by its name (a managed key's; fixed keys have none).
     scraped = httpx.get(f"{guarded.base}/metrics").text
     labels = f'api_key="{made["name"]}",model_name="{model}"'

@@ -20,7 +20,7 @@ import redis
 from chatq.core import keys
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.job import Event, EventKind, Job, JobStatus
-from tests.api.conftest import KEY_A, Guarded
+from tests.api.conftest import ADMIN, KEY_A, Guarded
 from tests.helpers import wait_for
 
 CHROMIUM = shutil.which("chromium")
@@ -245,3 +245,28 @@ def test_batches_show_their_progress_and_give_their_output_or_a_cancel(page: Any
     expect(running.locator(".status")).to_have_text("cancelled")
     expect(running.locator("button.errors")).to_be_visible()
     assert http.get(f"/v1/batches/{long_id}").json()["status"] == "cancelled"
+
+
+def test_a_managed_key_sees_its_limits_and_usage(browser: Any, guarded: Guarded):
+    name = f"pg-{uuid.uuid4().hex[:6]}"
+    made = guarded.client(ADMIN).post("/v1/admin/keys", json={"name": name, "rpm": 600, "tpm": 90000, "in_flight": 4})
+    key = made.json()["value"]
+    context = browser.new_context(base_url=guarded.base)
+    context.set_default_timeout(TIMEOUT)
+    try:
+        page = context.new_page()
+        page.goto("/")
+        page.fill("#key", key)
+        page.press("#key", "Enter")
+        expect(page.locator("#key-limits")).to_have_text(
+            re.compile(rf"^Key {name}: 600 requests/min; 90,000 tokens/min; 4 in flight\.$")
+        )
+        expect(page.locator("#model")).to_contain_text(guarded.settings.model_name)
+        _send(page, "Say hi.", 4, {"ignore_eos": True})
+        expect(page.locator("#log .msg.assistant .finish").last).to_have_text("finished: length")
+        page.click("#refresh")
+        row = page.locator(f"#usage-rows tr[data-model='{guarded.settings.model_name}']")
+        expect(row.locator("td.n").nth(0)).to_have_text("1")
+        expect(row.locator("td.n").nth(2)).to_have_text("4")
+    finally:
+        context.close()

@@ -194,6 +194,9 @@ async function refreshJobs() {
     $("job-rows").replaceChildren(...list.data.map(jobRow));
     const batches = await (await api("/v1/batches?limit=20")).json();
     $("batch-rows").replaceChildren(...batches.data.map(batchRow));
+    const used = await (await api("/v1/usage?days=7")).json();
+    $("key-limits").textContent = limitsText(used.key);
+    $("usage-rows").replaceChildren(...used.data.map(usageRow));
   } catch (e) {
     if (e.status !== 401) notice(`Jobs: ${e.message}`);
   }
@@ -220,6 +223,25 @@ function batchRow(batch) {
   if (batch.output_file_id) actions.append(button("output", "Output", () => download(batch.output_file_id)));
   if (batch.error_file_id) actions.append(button("errors", "Errors", () => download(batch.error_file_id)));
   row.append(id, element("td", `status status-${batch.status}`, batch.status), progress, actions);
+  return row;
+}
+
+// What the key may use, as its admin set it: a managed key's name and limits (a fixed key has none).
+function limitsText(key) {
+  if (!key) return "This key has no limits.";
+  const per = (n, unit) => (n ? `${n.toLocaleString()} ${unit}` : `no ${unit} limit`);
+  const parts = [per(key.rpm, "requests/min"), per(key.tpm, "tokens/min"), per(key.in_flight, "in flight")];
+  if (key.models.length) parts.push(`models: ${key.models.join(", ")}`);
+  if (key.expires_at) parts.push(`expires ${new Date(key.expires_at * 1000).toLocaleString()}`);
+  return `Key ${key.name}: ${parts.join("; ")}.`;
+}
+
+function usageRow(used) {
+  const row = element("tr");
+  row.dataset.day = used.date;
+  row.dataset.model = used.model;
+  row.append(element("td", "", used.date), element("td", "", used.model));
+  for (const n of [used.requests, used.input_tokens, used.output_tokens]) row.append(element("td", "n", String(n)));
   return row;
 }
 
