@@ -153,6 +153,31 @@ def usage(day: str, owner: str) -> str:
     return f"{PREFIX}:usage:{day}:{owner}"
 
 
+def dispatched(model: str) -> str:
+    """The model's jobs whose task message went to a Celery lane, not yet claimed by a worker (chatq.core.fair)."""
+    return f"{PREFIX}:dispatched:{model}"
+
+
+def fair_waiting(model: str, lane: int | str) -> str:
+    """The owners with jobs parked in one of the model's lanes, scored by their service."""
+    return f"{PREFIX}:fair:{model}:waiting:{lane}"
+
+
+def fair_parked(model: str, lane: int | str, owner: str) -> str:
+    """One owner's jobs parked in one of the model's lanes, oldest first."""
+    return f"{PREFIX}:fair:{model}:parked:{lane}:{owner}"
+
+
+def fair_clock(model: str) -> str:
+    """The model's virtual time: the service at which its last dispatched job started (chatq.core.fair)."""
+    return f"{PREFIX}:fair:{model}:clock"
+
+
+def fair_service(model: str) -> str:
+    """Each owner's service from the model's workers: weighted tokens (chatq.core.fair)."""
+    return f"{PREFIX}:fair:{model}:service"
+
+
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
@@ -296,10 +321,28 @@ LAYOUT = (
         "([keys](keys.md#limits))",
     ),
     Entry(
-        (usage("{YYYY-MM-DD}", "{hash}"), usage("total", "{hash}")),
+        (usage("{day}", "{hash}"), usage("total", "{hash}")),
         "hash",
         "an API key's usage that day (UTC), kept 90 days, and since it began: `{model}|requests`, "
         "`{model}|input_tokens`, `{model}|output_tokens` ([keys](keys.md#usage))",
+    ),
+    Entry(
+        (dispatched("{model}"),),
+        "set",
+        "that model's job ids whose task message went to a Celery lane, not yet claimed "
+        "([fair share](keys.md#fair-share))",
+    ),
+    Entry(
+        (fair_waiting("{model}", "{lane}"),),
+        "zset",
+        "the owners (API key hashes) with jobs parked in that lane, scored by their service",
+    ),
+    Entry(
+        (fair_parked("{model}", "{lane}", "{hash}"),), "list", "one owner's job ids parked in that lane, oldest first"
+    ),
+    Entry((fair_service("{model}"),), "hash", "each owner's service from that model's workers: weighted tokens"),
+    Entry(
+        (fair_clock("{model}"),), "string", "that model's virtual time: the service its last dispatched job began at"
     ),
     Entry(
         (metrics("{model}"),),

@@ -48,9 +48,10 @@ def _reads_keys_or_argv(lua: str) -> bool:
 @dataclass(frozen=True)
 class LuaFunction:
     """A Lua function scripts share (`local function name(...)`). It comes before a script's names are bound, so it
-    reads only its own arguments."""
+    reads only its own arguments; `uses`: the shared functions it calls, which come before it."""
 
     source: str
+    uses: tuple[LuaFunction, ...] = ()
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,16 @@ class LuaFunction:
         if _reads_keys_or_argv(self.source):
             raise ValueError(f"Lua function {head[1]} reads KEYS or ARGV: it takes what it needs as arguments")
         object.__setattr__(self, "name", head[1])
+        uncalled = [f.name for f in self.uses if f.name not in _code_words(self.source)]
+        if uncalled:
+            raise ValueError(f"Lua function {head[1]} uses {uncalled} but never calls them")
+
+    def with_uses(self) -> list[LuaFunction]:
+        """It and what it calls, each after what it calls."""
+        out: list[LuaFunction] = []
+        for f in self.uses:
+            out += [g for g in f.with_uses() if g not in out]
+        return [*out, self]
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,10 @@ class Script:
             prelude.append(_rest(self.key_tail, "KEYS", len(self.keys)))
         if self.tail is not None:
             prelude.append(_rest(self.tail, "ARGV", len(self.args)))
-        parts = [f.source.strip() for f in self.uses] + [line for line in prelude if line] + [self.body.strip()]
+        functions: list[LuaFunction] = []
+        for f in self.uses:
+            functions += [g for g in f.with_uses() if g not in functions]
+        parts = [f.source.strip() for f in functions] + [line for line in prelude if line] + [self.body.strip()]
         object.__setattr__(self, "source", "\n".join(parts) + "\n")
         object.__setattr__(self, "_declared", frozenset(self.names))
 
