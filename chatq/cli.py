@@ -331,7 +331,7 @@ def job(settings: Settings, action: str, job_id: str) -> int:
     return 0 if r.status_code == 200 else 1
 
 
-_LIMITS = ("rpm", "tpm", "in_flight", "models", "expires_at")
+_LIMITS = ("rpm", "tpm", "in_flight", "weight", "models", "expires_at")
 
 
 def keys_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -341,7 +341,7 @@ def keys_command(settings: Settings, args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {admin}"} if admin else {}
     # 0 lifts a limit (null in the body).
     body = {k: getattr(args, k) for k in _LIMITS if getattr(args, k, None) is not None}
-    body = {k: None if v == 0 else v for k, v in body.items()}
+    body = {k: None if v == 0 and k != "weight" else v for k, v in body.items()}
     if "models" in body:
         body["models"] = [m.strip() for m in body["models"].split(",") if m.strip()]
     if args.action == "create":
@@ -370,6 +370,7 @@ def _keys_parser(sub: Any) -> None:
         p.add_argument("--rpm", type=int, help="requests per minute (0: none)")
         p.add_argument("--tpm", type=int, help="tokens per minute, prompt plus max_tokens (0: none)")
         p.add_argument("--in-flight", type=int, help="jobs queued or running at once (0: no cap)")
+        p.add_argument("--weight", type=float, help="its share of each model's workers against other keys' (1)")
         p.add_argument("--models", help="comma-separated models it may use (default: all)")
         p.add_argument("--expires-at", type=int, help="when it stops working, in Unix seconds")
     for action, doc in (("show", "one key"), ("revoke", "refuse a key from now on")):

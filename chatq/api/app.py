@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import admin, batches, errors, files, metrics, responses
+from chatq.api import admin, batches, dispatcher, errors, files, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.batch_files import BatchFiles
 from chatq.api.batch_runner import BatchRunner
@@ -62,6 +62,8 @@ def create_app(settings: Settings) -> FastAPI:
         api_keys.warn_if_open()
         gc_tuning.settle()
         background = [asyncio.create_task(stored.sweeping()), asyncio.create_task(runner.running())]
+        if settings.fair_share:
+            background.append(asyncio.create_task(dispatcher.dispatching(service)))
         yield
         for task in background:
             task.cancel()

@@ -19,11 +19,12 @@ from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
 from chatq.core import api_scripts, keys, logs, telemetry
-from chatq.core.api_scripts import InFlight, Listing, Outcome
+from chatq.core.api_scripts import InFlight, Listing, Outcome, Parking
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import cancelled_while_queued
 from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest, Conflict, InFlightFull, JobNotFound, QueueFull
+from chatq.core.fair import Share
 from chatq.core.job import Event, EventKind, Job, JobStatus, cache_partition
 from chatq.core.queue import BATCH_LANE, celery_priority, lane_score, task_fields, task_message
 from chatq.core.replicas import ReplicaWait
@@ -94,36 +95,31 @@ class JobStore:
         response: dict[str, Any] | None = None,
         line: bool = False,
         in_flight: int | None = None,
+        share: Share | None = None,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
         `idempotency_key` already names for this owner, with nothing enqueued. `prompts`: the prompt's ids, or each
         of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace). A batch's `line` goes
-        in the batch lane, unlisted and uncapped. `in_flight`: the owner's cap on its jobs queued or running."""
+        in the batch lane, unlisted and uncapped. `in_flight`: the owner's cap on its jobs queued or running. `share`:
+        what the job counts for in its owner's fair share; with it (and CHATQ_FAIR_SHARE), the job waits for a free
+        slot there rather than going to its lane at once (chatq.core.fair)."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
-        job = Job(
-            id=ID_PREFIX[kind] + (request_id or uuid.uuid4().hex),
-            model=model,
-            kind=kind,
-            request=request,
-            prompt_ids=prompts[0],
-            batch=prompts if len(prompts) > 1 else [],
-            traceparent=trace.get("traceparent", ""),
-            tracestate=trace.get("tracestate", ""),
-            response=response,
-            cache_partition=cache_partition(owner, request.cache_salt, self.settings.share_prefix_cache),
-        )
+        job = self._job(request, kind, model, prompts, request_id, owner, trace, response)
         lane = BATCH_LANE if line else celery_priority(request.priority, request.background)
         now = time.time()
         score = lane_score(lane, now)
         queue, message = task_message(self.celery, job.id, keys.celery_queue(model), lane)
         # `submitted`: where the job's latency metrics start (chatq.core.metrics); `created` has whole seconds.
         fields = self._record(job, owner) | task_fields(queue, message, now) | {"submitted": repr(now)}
+        parking = self._parking(owner, lane, share) if not line else None
+        if parking is not None and share is not None:
+            fields |= {"cost": repr(share.cost), "weight": repr(share.weight)}
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key is not None else None
         listing = None if line else Listing(keys.owner_jobs(owner), LISTED_JOBS, self.settings.result_ttl)
         cap = 0 if line else self.settings.max_queued
         flight = InFlight(keys.in_flight(owner), in_flight, self.settings.result_ttl) if in_flight else None
-        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing, cap, flight)
+        done = await self._submit(job.id, model, fields, queue, message, score, idem, listing, cap, flight, parking)
         if done.outcome is Outcome.existing:
             return Submission(await self._named(done.job_id, owner, kind, idempotency_key), None, created=False)
         if done.outcome is Outcome.full:
@@ -136,6 +132,34 @@ class JobStore:
         # The job's one line in the API's log: what ties a request to the worker's lines about its job.
         log.info("job %s queued for %s at position %d", job.id, model, done.rank + 1)
         return Submission(job, done.rank + 1, created=True)
+
+    def _job(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "text", "response"],
+        model: str,
+        prompts: list[list[int]],
+        request_id: str | None,
+        owner: str,
+        trace: Mapping[str, str],
+        response: dict[str, Any] | None,
+    ) -> Job:
+        return Job(
+            id=ID_PREFIX[kind] + (request_id or uuid.uuid4().hex),
+            model=model,
+            kind=kind,
+            request=request,
+            prompt_ids=prompts[0],
+            batch=prompts if len(prompts) > 1 else [],
+            traceparent=trace.get("traceparent", ""),
+            tracestate=trace.get("tracestate", ""),
+            response=response,
+            cache_partition=cache_partition(owner, request.cache_salt, self.settings.share_prefix_cache),
+        )
+
+    def _parking(self, owner: str, lane: int, share: Share | None) -> Parking | None:
+        """Where the job waits for its owner's fair share, if it does."""
+        return Parking(owner, lane, self.settings.worker_ttl) if share and self.settings.fair_share else None
 
     async def _named(self, job_id: str, owner: str, kind: str, idempotency_key: str | None) -> Job:
         """The job an Idempotency-Key named, if this route can show it: chat and legacy completions show each other's
@@ -162,10 +186,11 @@ class JobStore:
         listing: Listing | None,
         cap: int,
         in_flight: InFlight | None,
+        parking: Parking | None,
     ) -> api_scripts.Submitted:
         """api_scripts.submit, then, with replicas to wait for, their WAIT on the same connection (it waits only for
         that connection's writes): a job this API accepted is on a replica, so a failover keeps it."""
-        args = (job_id, model, fields, queue, message, score, cap, idem, listing, in_flight)
+        args = (job_id, model, fields, queue, message, score, cap, idem, listing, in_flight, parking)
         if (wait := self.replicas.command()) is None:
             return await api_scripts.submit(self.redis, *args)
         async with self.redis.client() as pinned:

@@ -30,6 +30,7 @@ from chatq.core import telemetry
 from chatq.core.api_keys import ApiKey
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.errors import BadRequest, JobGone, JobNotFound, NotFound, RelayFailed, ResponseNotFound
+from chatq.core.fair import Share
 from chatq.core.job import Job, JobStatus
 from chatq.core.response_events import ResponseEvents
 from chatq.core.response_object import output_items, response_error, response_object
@@ -95,7 +96,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
     ready = await prepare(svc, body, sub.owner, "resp_" + request_id, sub.key)
     trace = telemetry.job_trace(request.headers)
 
-    def submit() -> Awaitable[tuple[Job, int | None, bool]]:
+    def submit(share: Share) -> Awaitable[tuple[Job, int | None, bool]]:
         return svc.store.submit(
             ready.chat,
             "response",
@@ -107,6 +108,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
             trace,
             response=ready.stored,
             in_flight=sub.in_flight,
+            share=share,
         )
 
     job, _, created, taken = await submit_within_limits(svc, sub, ready.chat, ready.model, [ready.prompt_ids], submit)

@@ -40,6 +40,7 @@ from chatq.core.errors import (
     RequestTooLarge,
     ServiceUnavailable,
 )
+from chatq.core.fair import Share
 from chatq.core.job import Event, Job, JobStatus
 from chatq.core.requests import GenerationRequest
 from chatq.core.settings import Settings
@@ -143,6 +144,10 @@ class Submit:
     @property
     def in_flight(self) -> int | None:
         return self.key.limits.in_flight if self.key else None
+
+    @property
+    def weight(self) -> float:
+        return self.key.limits.weight if self.key else 1.0
 
 
 async def _submit_headers(
@@ -349,9 +354,18 @@ async def _respond(
     request_id = sub.request_id or body.request_id
     trace = telemetry.job_trace(request.headers)
 
-    def submit() -> Awaitable[tuple[Job, int | None, bool]]:
+    def submit(share: Share) -> Awaitable[tuple[Job, int | None, bool]]:
         return svc.store.submit(
-            body, kind, model.name, prompts, request_id, sub.owner, sub.idempotency_key, trace, in_flight=sub.in_flight
+            body,
+            kind,
+            model.name,
+            prompts,
+            request_id,
+            sub.owner,
+            sub.idempotency_key,
+            trace,
+            in_flight=sub.in_flight,
+            share=share,
         )
 
     job, position, created, taken = await submit_within_limits(svc, sub, body, model, prompts, submit)
@@ -367,14 +381,16 @@ async def submit_within_limits(
     body: GenerationRequest,
     model: ServedModel,
     prompts: list[list[int]],
-    submit: Callable[[], Awaitable[tuple[Job, int | None, bool]]],
+    submit: Callable[[Share], Awaitable[tuple[Job, int | None, bool]]],
 ) -> tuple[Job, int | None, bool, Taken | None]:
-    """`submit()`'s job, its queue position and whether it was created, once the request was taken from its key's
-    limits (raises RateLimited); what it took, for the answer's x-ratelimit-* headers."""
-    taken = await svc.limits.take(sub.key, sub.owner, model.name, reserved_tokens(body, prompts, model.info))
+    """`submit(share)`'s job, its queue position and whether it was created, once the request was taken from its
+    key's limits (raises RateLimited); what it took, for the answer's x-ratelimit-* headers. `share`: what the job
+    counts for in its key's fair share."""
+    reserved = reserved_tokens(body, prompts, model.info)
+    taken = await svc.limits.take(sub.key, sub.owner, model.name, reserved)
     everything = taken.verdict.tokens if taken else 0
     try:
-        job, position, created = await submit()
+        job, position, created = await submit(Share.of(prompts, reserved, sub.weight))
     except Exception:
         await svc.limits.give_back(sub.owner, taken, True, everything)
         raise

@@ -10,7 +10,7 @@ from enum import StrEnum
 
 import redis.asyncio as aioredis
 
-from chatq.core import keys
+from chatq.core import fair, keys
 from chatq.core.job import Event
 from chatq.core.lua import EXTEND, PUSH_WEBHOOKS, Script, flat
 from chatq.core.queue import BATCH_LANE, lane_score
@@ -26,6 +26,15 @@ _SUBMIT = Script(
         "idem",  # the idempotency key; the record's key when the request has none
         "owner_jobs",  # the owner's list of jobs; the record's key when the job is not listed
         "in_flight",  # the owner's jobs queued or running, when it has a cap on them; the record's key otherwise
+        # With a fair share (chatq.core.fair): the job's lane's waiting owners, the owner's parked jobs there, and the
+        # model's dispatch keys (fair.dispatch_keys); the record's key for each when the job goes straight to Celery.
+        "waiting",
+        "parked",
+        "running",
+        "dispatched",
+        "workers",
+        "service",
+        "clock",
     ),
     args=(
         "job_id",
@@ -34,6 +43,13 @@ _SUBMIT = Script(
         "max_queued",  # the cap on queued jobs; 0: none
         "max_in_flight",  # the cap on the owner's jobs queued or running; 0: none
         "in_flight_ttl",
+        "fair",  # "1": the job is parked and dispatched by its owner's fair share; "0": its message goes to its lane
+        "owner",
+        "worker_prefix",
+        "waiting_prefix",
+        "parked_prefix",
+        "lanes",
+        "worker_ttl",  # a worker's heartbeat's age past which it holds no slots
         "batch_floor",  # the lowest score of a batch line, which the cap does not count
         "job_prefix",  # keys.job("")
         "has_idem",  # "1" when the request has an idempotency key
@@ -43,7 +59,7 @@ _SUBMIT = Script(
         "now",
     ),
     tail="fields",  # the record's field/value pairs
-    uses=(EXTEND,),
+    uses=(EXTEND, fair.FAIR_PARK, fair.FAIR_DISPATCH),
     body="""
 if has_idem == '1' then
   local existing = redis.call('GET', idem)
@@ -70,7 +86,15 @@ if flight > 0 then
 end
 redis.call('HSET', job, 'id', job_id, unpack(fields))
 redis.call('ZADD', queued, score, job_id)
-redis.call('LPUSH', task_queue, task)
+if fair == '1' then
+  redis.call('HSET', job, 'parked', '1')
+  fair_park(waiting, parked, service, clock, owner, job_id)
+  """
+    + fair.DISPATCH_CALL
+    + """
+else
+  redis.call('LPUSH', task_queue, task)
+end
 if has_idem == '1' then redis.call('SET', idem, job_id) end
 if listed == '1' then
   redis.call('ZADD', owner_jobs, now, job_id)
@@ -80,6 +104,19 @@ end
 return {'queued', redis.call('ZRANK', queued, job_id)}
 """,
 )
+
+
+def _parking_names(model: str, parking: Parking | None, record_key: str) -> dict[str, str | int | float]:
+    """The submit script's keys and arguments of the fair share: the record's key for each key it need not touch."""
+    return {
+        "waiting": keys.fair_waiting(model, parking.lane) if parking else record_key,
+        "parked": keys.fair_parked(model, parking.lane, parking.owner) if parking else record_key,
+        **fair.dispatch_keys(model),
+        "fair": "1" if parking else "0",
+        "owner": parking.owner if parking else "",
+        "lanes": BATCH_LANE,
+        "worker_ttl": parking.worker_ttl if parking else 0,
+    }
 
 
 class Outcome(StrEnum):
@@ -111,6 +148,16 @@ class InFlight:
 
 
 @dataclass(frozen=True, slots=True)
+class Parking:
+    """A job that waits for a free slot in its owner's fair share (chatq.core.fair) rather than going to its lane
+    at once: its owner, its lane, and how old a worker's heartbeat may be for its slots to count."""
+
+    owner: str
+    lane: int
+    worker_ttl: float
+
+
+@dataclass(frozen=True, slots=True)
 class Submitted:
     outcome: Outcome
     job_id: str  # the existing job's, for Outcome.existing
@@ -129,6 +176,7 @@ async def submit(
     idem: str | None = None,
     listing: Listing | None = None,
     in_flight: InFlight | None = None,
+    parking: Parking | None = None,
 ) -> Submitted:
     """Records the job and pushes its Celery task message in one step, so no job exists that no worker will get.
 
@@ -137,7 +185,9 @@ async def submit(
     and a taken id is refused (a repeated request_id never overwrites a job). `idem` is the idempotency key's Redis
     key (keys.idempotency); it is the record's `idem` field too, set with no expiry: the job's end expires it. With a
     `listing`, the job joins its owner's list (named in the record's `index`), whose oldest jobs past `listing.keep`
-    leave it. With `in_flight`, an owner with as many jobs queued or running as its cap is refused.
+    leave it. With `in_flight`, an owner with as many jobs queued or running as its cap is refused. With `parking`,
+    the job's message waits in its owner's share and goes to its lane when a worker has a free slot (at once if one
+    has).
     """
     fields = {**record, "idem": idem} if idem else dict(record)
     if listing is not None:
@@ -152,6 +202,7 @@ async def submit(
         idem=idem or record_key,
         owner_jobs=listing.key if listing is not None else record_key,
         in_flight=in_flight.key if in_flight is not None else record_key,
+        **_parking_names(model, parking, record_key),
         job_id=job_id,
         score=score,
         task=message,
@@ -159,12 +210,11 @@ async def submit(
         max_in_flight=in_flight.cap if in_flight is not None else 0,
         in_flight_ttl=in_flight.ttl if in_flight is not None else 0,
         batch_floor=lane_score(BATCH_LANE, 0),
-        job_prefix=keys.job(""),
         has_idem="1" if idem else "0",
         listed="1" if listing else "0",
         keep=listing.keep if listing else 0,
         list_ttl=listing.ttl if listing else 0,
-        now=time.time() if listing else 0,
+        now=time.time(),
         fields=flat(fields),
     )
     outcome = Outcome(reply[0])

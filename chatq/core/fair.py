@@ -19,6 +19,8 @@ API's periodic dispatch, which catches slots that free without a job's end (a wo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis.asyncio as aioredis
 
 from chatq.core import keys
@@ -26,6 +28,22 @@ from chatq.core.lua import LuaFunction, Script
 from chatq.core.queue import BATCH_LANE
 
 OUTPUT_WEIGHT = 2  # an output token's service against a prompt token's
+
+
+@dataclass(frozen=True)
+class Share:
+    """What a job counts for in its owner's fair share: the service it is charged as it is dispatched (its prompts,
+    and OUTPUT_WEIGHT times the output it may make), and its owner's weight."""
+
+    cost: float
+    weight: float = 1.0
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], reserved: int, weight: float) -> Share:
+        """`reserved`: the prompts' tokens and the most output (chatq.api.limits.reserved_tokens)."""
+        prompt = sum(map(len, prompts))
+        return cls(prompt + OUTPUT_WEIGHT * (reserved - prompt), weight)
+
 
 # The owner's service goes up by `amount` (down, for a job that used less than it was charged), and its place in
 # every lane it waits in with it.
@@ -37,6 +55,20 @@ local function fair_charge(service, waiting_prefix, lanes, owner, amount)
   end
 end
 """)
+
+# A job that ended set right in its owner's service: charged its estimate (`cost`, divided by `weight`, in its
+# record) when dispatched, it is charged what it used instead.
+FAIR_SETTLE = LuaFunction(
+    """
+local function fair_settle(service, waiting_prefix, lanes, job, input_tokens, output_tokens)
+  local h = redis.call('HMGET', job, 'cost', 'weight', 'owner')
+  if not h[1] then return end
+  local used = tonumber(input_tokens) + OUTPUT_WEIGHT * tonumber(output_tokens)
+  fair_charge(service, waiting_prefix, lanes, h[3] or '', (used - tonumber(h[1])) / (tonumber(h[2]) or 1))
+end
+""".replace("OUTPUT_WEIGHT", str(OUTPUT_WEIGHT)),
+    uses=(FAIR_CHARGE,),
+)
 
 # A job parked at the end of its owner's list in a lane; an owner that was not waiting there starts no earlier than
 # the virtual time (`clock`: the start of the job dispatched last).
@@ -102,21 +134,20 @@ end
     uses=(FAIR_FREE, FAIR_CHARGE),
 )
 
-# The table fair_dispatch reads its names from, built in a script from its declared keys and arguments.
-DISPATCH_NAMES = """
-local names = {
+# The call of fair_dispatch in a script, with the names of the model's dispatch the script declares (dispatch_keys,
+# and `lanes`, `now`, `worker_ttl`); its value is how many jobs went.
+DISPATCH_CALL = """fair_dispatch({
   running = running, dispatched = dispatched, workers = workers, service = service, clock = clock,
   worker_prefix = worker_prefix, waiting_prefix = waiting_prefix, parked_prefix = parked_prefix,
-  job_prefix = job_prefix, lanes = tonumber(lanes), now = tonumber(now), ttl = tonumber(ttl),
-}
-"""
+  job_prefix = job_prefix, lanes = tonumber(lanes), now = tonumber(now), ttl = tonumber(worker_ttl),
+})"""
 
 # The API's periodic dispatch of one model.
 _DISPATCH = Script(
     keys=("running", "dispatched", "workers", "service", "clock"),
-    args=("worker_prefix", "waiting_prefix", "parked_prefix", "job_prefix", "lanes", "now", "ttl"),
+    args=("worker_prefix", "waiting_prefix", "parked_prefix", "job_prefix", "lanes", "now", "worker_ttl"),
     uses=(FAIR_DISPATCH,),
-    body=DISPATCH_NAMES + "return fair_dispatch(names)\n",
+    body="return " + DISPATCH_CALL,
 )
 
 
@@ -138,5 +169,5 @@ def dispatch_keys(model: str) -> dict[str, str]:
 
 async def dispatch(client: aioredis.Redis, model: str, now: float, worker_ttl: float) -> int:
     """Dispatches the model's parked jobs into its workers' free slots; how many went."""
-    sent = await _DISPATCH.run(client, **dispatch_keys(model), lanes=BATCH_LANE, now=now, ttl=worker_ttl)
+    sent = await _DISPATCH.run(client, **dispatch_keys(model), lanes=BATCH_LANE, now=now, worker_ttl=worker_ttl)
     return int(sent)

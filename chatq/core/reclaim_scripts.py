@@ -163,8 +163,9 @@ _REDELIVER = Script(
         "age",  # seconds past which a task is missing
     ),
     body="""
-local h = redis.call('HMGET', job, 'status', 'tag', 'queued_at', 'task')
-if h[1] ~= 'queued' or h[2] ~= tag or not h[4] then return 0 end
+local h = redis.call('HMGET', job, 'status', 'tag', 'queued_at', 'task', 'parked')
+-- A parked job's message waits for its fair share's dispatch (chatq.core.fair), not for a worker.
+if h[1] ~= 'queued' or h[2] ~= tag or not h[4] or h[5] then return 0 end
 if tonumber(now) - tonumber(h[3]) < tonumber(age) then return 0 end
 if redis.call('LPOS', task_queue, h[4], 'RANK', -1) then return 0 end
 local delivered = redis.call('ZSCORE', unacked_index, h[2])

@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # The key of the admin routes (/v1/admin/keys, `chatq keys`), which manage API keys at run time; empty: none.
     # With it set the API is never open: every request needs a key, of CHATQ_API_KEYS or a managed one.
     admin_key: SecretStr = SecretStr("")
+    # Whether each model's workers are shared fairly among API keys within each priority lane (docs/keys.md#fair-share):
+    # off, jobs go to their lane at once, first come first served.
+    fair_share: bool = True
     # Whether the jobs of different API keys share the workers' prefix cache. Off: a job reuses only cached prompt
     # prefixes of its own key (and its own `cache_salt`), so no key can time another's prompts by the first token.
     share_prefix_cache: bool = False

@@ -10,9 +10,10 @@ import orjson
 import redis
 from redis.client import Pipeline
 
-from chatq.core import keys, usage
+from chatq.core import fair, keys, usage
 from chatq.core.job import Event
 from chatq.core.lua import EXTEND, PUSH_WEBHOOKS, Script, flat
+from chatq.core.queue import BATCH_LANE
 
 _CLAIM = Script(
     keys=(
@@ -20,6 +21,7 @@ _CLAIM = Script(
         "queued",
         "cancels",  # the claiming worker's cancel set
         "running",  # the model's running set
+        "dispatched",  # the model's jobs dispatched by the fair share, not yet claimed
     ),
     args=(
         "worker",
@@ -29,6 +31,7 @@ _CLAIM = Script(
         "delivery",  # the task's kombu delivery tag
     ),
     body="""
+redis.call('SREM', dispatched, job_id)
 if redis.call('HGET', job, 'status') ~= 'queued' then return {} end
 redis.call('HSET', job, 'status', 'in_progress', 'worker', worker, 'started', now, 'lane', lane, 'delivery', delivery)
 redis.call('HINCRBY', job, 'attempts', 1)
@@ -56,6 +59,7 @@ def claim(
         queued=keys.queued(model),
         cancels=keys.cancels(worker),
         running=keys.running(model),
+        dispatched=keys.dispatched(model),
         worker=worker,
         now=time.time(),
         job_id=job_id,
@@ -129,6 +133,11 @@ _UPDATE_RECORD = Script(
         "events",
         "running",  # the model's running set
         "metrics",  # the model's metrics hash
+        # The model's fair share (chatq.core.fair.dispatch_keys): a job's end settles its charge and frees a slot.
+        "dispatched",
+        "workers",
+        "service",
+        "clock",
     ),
     args=(
         "worker",  # the writing worker
@@ -141,9 +150,16 @@ _UPDATE_RECORD = Script(
         "total_prefix",  # keys.usage(usage.TOTAL, ""): the owner's usage since it began, likewise
         "usage",  # the last write's additions to that usage: a JSON object of measure -> amount
         "usage_ttl",
+        "worker_prefix",
+        "waiting_prefix",
+        "parked_prefix",
+        "job_prefix",
+        "lanes",
+        "now",
+        "worker_ttl",
     ),
     tail="fields",  # the record's field/value pairs
-    uses=(EXTEND, PUSH_WEBHOOKS),
+    uses=(EXTEND, PUSH_WEBHOOKS, fair.FAIR_SETTLE, fair.FAIR_DISPATCH),
     body="""
 redis.call('EXPIRE', events, ttl)
 local h = redis.call('HMGET', job, 'status', 'worker', 'deleted', 'idem', 'index')
@@ -160,6 +176,11 @@ if last == '1' then
       redis.call('HINCRBY', total, model .. '|' .. name, amount)
     end
     redis.call('EXPIRE', used, usage_ttl)
+    local spent = cjson.decode(usage)
+    fair_settle(service, waiting_prefix, tonumber(lanes), job, spent.input_tokens, spent.output_tokens)
+    """
+    + fair.DISPATCH_CALL
+    + """
   end
 end
 if h[3] then
@@ -189,6 +210,7 @@ def update_record(
     last: bool,
     metrics: Mapping[str, float] | None = None,
     webhook: str = "",
+    worker_ttl: float = 0,
 ) -> None:
     """Writes the worker's fields into the job's record; the last write starts its expiry, takes the job off the
     model's running set, adds `metrics` (field -> amount) to the model's metrics hash (chatq.core.metrics) and the
@@ -197,7 +219,9 @@ def update_record(
 
     The log's expiry is refreshed first, so the log of a job whose worker vanished still expires. A record deleted
     meanwhile stays gone rather than come back holding only these fields; one hidden by DELETE is removed with its
-    log at the last write. A job another worker took over is left to it, and counted by it.
+    log at the last write. A job another worker took over is left to it, and counted by it. The last write of a job
+    that ran settles its owner's fair share and dispatches what waits for the slot it frees (chatq.core.fair), among
+    the workers whose heartbeat is younger than `worker_ttl`.
     """
     # Each amount as Python writes it, for HINCRBYFLOAT to read as written: a number cjson decoded would reach Redis
     # rounded differently.
@@ -206,7 +230,6 @@ def update_record(
         pipe,
         job=keys.job(job_id),
         events=keys.events(job_id),
-        running=keys.running(model),
         metrics=keys.metrics(model),
         worker=worker,
         job_id=job_id,
@@ -218,5 +241,9 @@ def update_record(
         total_prefix=keys.usage(usage.TOTAL, ""),
         usage=orjson.dumps(usage.measures(metrics or {})),
         usage_ttl=usage.KEPT_DAYS * 86400,
+        **fair.dispatch_keys(model),
+        lanes=BATCH_LANE,
+        now=time.time(),
+        worker_ttl=worker_ttl,
         fields=flat(fields),
     )

@@ -199,10 +199,11 @@ def beat(state: WorkerState, settings: Settings) -> str | None:
 
 
 def _worker_entry(state: WorkerState, settings: Settings) -> dict[str, str]:
-    """This worker's own registry entry (keys.worker): its model, device, and how its engine runs."""
+    """This worker's own registry entry (keys.worker): its model, device, how its engine runs, its slots."""
     engine = state.runner.engine
     checks = json.dumps([str(c) for c in engine.checks])
-    return {"model": settings.model_name, "device": str(engine.device), "mode": engine.mode, "checks": checks}
+    entry = {"model": settings.model_name, "device": str(engine.device), "mode": engine.mode, "checks": checks}
+    return entry | {"slots": str(settings.worker_concurrency)}  # the jobs it runs at once: its fair-share slots
 
 
 @app.task(name=GENERATE_TASK, bind=True)

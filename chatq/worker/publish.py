@@ -63,6 +63,7 @@ class Publisher:
     def __init__(self, client: redis.Redis, settings: Settings, worker: str):
         self.redis = step_client(settings, client)
         self.ttl = settings.result_ttl
+        self.worker_ttl = settings.worker_ttl
         self.model = settings.model_name
         self.worker = worker
         self.cancels = keys.cancels(worker)
@@ -128,7 +129,9 @@ class Publisher:
         metrics: dict | None = None,
         webhook: str = "",
     ) -> None:
-        worker_scripts.update_record(pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics, webhook)
+        worker_scripts.update_record(
+            pipe, self.worker, job_id, self.model, self.ttl, fields, last, metrics, webhook, self.worker_ttl
+        )
 
     def _note_refused(self, reply: list) -> set[str]:
         """Logs the event logs newly found unwritable; the ids of the jobs this worker lost."""

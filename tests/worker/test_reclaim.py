@@ -189,3 +189,14 @@ def test_a_task_delivered_to_a_worker_that_never_claimed_it_is_sent_again(r, mod
     r.zadd(keys.KOMBU_UNACKED_INDEX, {tag: time.time() - 60})
     assert sweep(r, app, settings) == {job_id: "sent again"}
     assert not r.hexists(keys.KOMBU_UNACKED, tag) and queued_tasks(r, settings) == 1
+
+
+def test_a_job_parked_for_its_fair_share_is_not_sent_again(r, model_settings):
+    settings, app = model_settings, make_celery(model_settings)
+    job_id = "chatcmpl-redeliver-parked"
+    queue, message = queued_job(r, settings, job_id, 60)
+    r.lrem(queue, 1, message)
+    r.hset(keys.job(job_id), "parked", "1")  # its message waits for a free slot, not in the queue
+    assert sweep(r, app, settings) == {}
+    r.hdel(keys.job(job_id), "parked")
+    assert sweep(r, app, settings) == {job_id: "sent again"}
