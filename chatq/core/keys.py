@@ -296,7 +296,7 @@ LAYOUT = (
         "([keys](keys.md#limits))",
     ),
     Entry(
-        (usage("{YYYY-MM-DD}", "{hash}"), usage("total", "{hash}")),
+        (usage("{day}", "{hash}"), usage("total", "{hash}")),
         "hash",
         "an API key's usage that day (UTC), kept 90 days, and since it began: `{model}|requests`, "
         "`{model}|input_tokens`, `{model}|output_tokens` ([keys](keys.md#usage))",
