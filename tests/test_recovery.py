@@ -326,7 +326,11 @@ def test_a_short_soak_with_a_worker_killed_midway_loses_nothing(cluster, http):
     assert tally.ended["completed"] > 25 and tally.ended["cancelled"] > 0
     # Once the results expire, nothing of the jobs is left in Redis.
     deadline = time.time() + cluster.settings.result_ttl + 30
-    kept = (keys.workers(""), keys.worker(""), keys.models(), keys.model(""), keys.metrics(""))  # registries, counters
+    # Registries, counters, usage and the fair share's service outlive the jobs.
+    registries = (keys.workers(""), keys.worker(""), keys.models(), keys.model(""))
+    model = cluster.settings.model_name
+    fair = (keys.fair_service(model), keys.fair_clock(model))
+    kept = (*registries, keys.metrics(""), keys.usage("", "").rstrip(":"), *fair)
     while left := [k for k in cluster.r.scan_iter("chatq:*") if not k.startswith(kept)]:
         assert time.time() < deadline, left
         time.sleep(1)
