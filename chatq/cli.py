@@ -331,7 +331,7 @@ def job(settings: Settings, action: str, job_id: str) -> int:
     return 0 if r.status_code == 200 else 1
 
 
-_LIMITS = ("rpm", "tpm", "in_flight", "weight", "models", "expires_at")
+_LIMITS = ("rpm", "tpm", "in_flight", "batch_tokens", "weight", "models", "expires_at")
 
 
 def keys_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -370,6 +370,7 @@ def _keys_parser(sub: Any) -> None:
         p.add_argument("--rpm", type=int, help="requests per minute (0: none)")
         p.add_argument("--tpm", type=int, help="tokens per minute, prompt plus max_tokens (0: none)")
         p.add_argument("--in-flight", type=int, help="jobs queued or running at once (0: no cap)")
+        p.add_argument("--batch-tokens", type=int, help="input tokens its batches hold enqueued at once (0: none)")
         p.add_argument("--weight", type=float, help="its share of each model's workers against other keys' (1)")
         p.add_argument("--models", help="comma-separated models it may use (default: all)")
         p.add_argument("--expires-at", type=int, help="when it stops working, in Unix seconds")

@@ -328,8 +328,8 @@ def test_a_short_soak_with_a_worker_killed_midway_loses_nothing(cluster, http):
     deadline = time.time() + cluster.settings.result_ttl + 30
     # Registries, counters, usage and the fair share's service outlive the jobs.
     registries = (keys.workers(""), keys.worker(""), keys.models(), keys.model(""))
-    model = cluster.settings.model_name
-    fair = (keys.fair_service(model), keys.fair_clock(model))
+    models = set(cluster.models.values())
+    fair = tuple(k for m in models for k in (keys.fair_service(m), keys.fair_clock(m)))
     kept = (*registries, keys.metrics(""), keys.usage("", "").rstrip(":"), *fair)
     while left := [k for k in cluster.r.scan_iter("chatq:*") if not k.startswith(kept)]:
         assert time.time() < deadline, left

@@ -28,6 +28,7 @@ class KeyLimits(BaseModel):
     rpm: Limit = None
     tpm: Limit = None
     in_flight: Limit = None
+    batch_tokens: Limit = None
     weight: float = Field(default=1.0, gt=0, le=1000)
     models: list[str] = Field(default_factory=list, max_length=256)
     expires_at: PositiveInt | None = None

@@ -365,12 +365,12 @@ class LineRun:
     async def _finish(self, batch: Batch) -> None:
         """Every line answered: finalizing, its files written, then completed."""
         if batch.status == "in_progress":
-            await batches.move(self.redis, self.batch_id, ("in_progress",), "finalizing")
+            await batches.move(self.redis, batch, ("in_progress",), "finalizing")
         await self._end(batch, ("finalizing",), "completed")
 
     async def _end(self, batch: Batch, start: tuple[str, ...], to: str) -> None:
         written = await self.runner.files.write_results(batch)
-        moved = await batches.move(self.redis, self.batch_id, start, to, batch.webhooks, **written)
+        moved = await batches.move(self.redis, batch, start, to, batch.webhooks, fields=written)
         if moved:
             log.info("batch %s %s", self.batch_id, to)
 

@@ -138,23 +138,44 @@ class Batches:
         task.add_done_callback(lambda _: self._validating.pop(batch.id, None))
 
     async def validate(self, batch: Batch) -> None:
-        """Checks every line of the batch's input file: the batch goes in progress, or fails naming its bad lines."""
+        """Checks every line of the batch's input file: the batch goes in progress, or fails naming its bad lines
+        (or, past its key's batch tokens, the limit)."""
         try:
             check, errors = await self._check_lines(batch)
         except FileNotFound:
             check, errors = None, [LineError("invalid_file", "The input file is gone.", None, "input_file_id")]
+        key = await api_keys.by_hash(self.redis, batch.owner)
         if check is not None and not errors:
-            errors = await self._check_models(check, await api_keys.by_hash(self.redis, batch.owner))
+            errors = await self._check_models(check, key)
         if errors:
-            views = [e.view() for e in errors[: batches.MAX_ERRORS]]
-            await batches.move(self.redis, batch.id, ("validating",), "failed", batch.webhooks, errors=views)
-            log.info("batch %s failed validation: %d errors", batch.id, len(errors))
+            await self._fail(batch, errors)
             return
         assert check is not None
         await self.batch_files.write_plan(batch, check.kept)
         model = next(iter(check.models))
-        await batches.move(self.redis, batch.id, ("validating",), "in_progress", total=str(check.lines), model=model)
-        self.started()
+        hold = await self._hold(check, model, key)
+        total = str(check.lines)
+        moved = await batches.move(
+            self.redis, batch, ("validating",), "in_progress", hold=hold, fields={"total": total, "model": model}
+        )
+        if moved == -1 and hold is not None:
+            await self.batch_files.drop_plan(batch.id)
+            await self._fail(batch, [_over_limit(model, hold.limit)])
+        elif moved == 1:
+            self.started()
+
+    async def _fail(self, batch: Batch, errors: list[LineError]) -> None:
+        views = [e.view() for e in errors[: batches.MAX_ERRORS]]
+        await batches.move(self.redis, batch, ("validating",), "failed", batch.webhooks, fields={"errors": views})
+        log.info("batch %s failed validation: %d errors", batch.id, len(errors))
+
+    async def _hold(self, check: LineCheck, model: str, key: ApiKey | None) -> batches.Hold | None:
+        """What the batch holds of its key's batch tokens, if the key has a limit on them: its lines' input tokens."""
+        if key is None or key.limits.batch_tokens is None:
+            return None
+        served = await self.models.get(model or None, key=key)
+        tokens = await self.models.off_loop(batches.input_tokens, served.renderer.tokenizer, check.kept)
+        return batches.Hold(model, tokens, key.limits.batch_tokens)
 
     async def _check_lines(self, batch: Batch) -> tuple[LineCheck, list[LineError]]:
         _, opened = await self.files.open(batch.input_file_id, batch.owner)
@@ -209,7 +230,7 @@ class Batches:
             self._start_validating(batch)
         if batch.status != "validating" or batch.expires_at > time.time():
             return batch
-        await batches.move(self.redis, batch.id, ("validating",), "expired", batch.webhooks)
+        await batches.move(self.redis, batch, ("validating",), "expired", batch.webhooks)
         h: dict[str, str] = await self.redis.hgetall(keys.batch(batch.id))  # type: ignore[assignment,misc]
         return Batch.from_redis(h)
 
@@ -217,7 +238,7 @@ class Batches:
         """Cancels a batch not yet ended: `cancelling`, then (its runner moves it) `cancelled` once none of its
         lines runs."""
         batch = await self.get(batch_id, owner)
-        await batches.move(self.redis, batch.id, batches.CANCELLABLE, "cancelling")
+        await batches.move(self.redis, batch, batches.CANCELLABLE, "cancelling")
         return await self.get(batch_id, owner)
 
     async def list(self, owner: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
@@ -268,3 +289,12 @@ async def retrieve_batch(batch_id: str, svc: BatchesDep, owner: Owner) -> Any:
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, svc: BatchesDep, owner: Owner) -> Any:
     return (await svc.cancel(batch_id, owner)).view()
+
+
+def _over_limit(model: str, limit: int) -> LineError:
+    """OpenAI's error for a batch past its key's enqueued tokens."""
+    message = (
+        f"Enqueued token limit reached for {model or 'the default model'}. Limit: {limit:,} enqueued tokens. "
+        "Please try again once some in_progress batches have been completed."
+    )
+    return LineError("token_limit_exceeded", message, None)

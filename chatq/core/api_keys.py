@@ -44,6 +44,7 @@ class Limits:
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute: prompt plus max_tokens, reserved as a request is accepted
     in_flight: int | None = None  # jobs queued or running at once
+    batch_tokens: int | None = None  # input tokens its batches may hold enqueued at once, per model
     weight: float = 1.0  # its share of each model's workers against other keys' (chatq.core.fair)
     models: tuple[str, ...] = ()  # the models it may use; empty: every model
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
+from tokenizers import Tokenizer
 
 from chatq.core import keys
 from chatq.core.chat_request import ChatCompletionRequest
@@ -194,15 +195,34 @@ class Batch:
 # Moves a batch to `to` and stamps `stamp` with Redis's time, only from one of `start` (comma-separated). With it:
 # `fields` are set, the count of batches in each status follows, a batch that has lines to run from now on joins the
 # batches the APIs run (`run` "1"), and an end's webhook messages (webhooks.WebhookMessages.block, "" for none) are
-# pushed, so no end is lost before its webhook. 1 if it moved: two processes never both make the same move.
+# pushed, so no end is lost before its webhook. A batch going in progress with `tokens` holds them in its owner's
+# batch tokens of its model unless that passes `limit` (-1, and it does not move); an end gives back what it held.
+# 1 if it moved: two processes never both make the same move.
 _MOVE = Script(
-    keys=("record", "statuses", "running"),
-    args=("batch_id", "start", "to", "stamp", "run", "webhooks"),
+    keys=(
+        "record",
+        "statuses",
+        "running",
+        "held",  # the owner's batch tokens held, by model (keys.batch_tokens)
+    ),
+    args=("batch_id", "start", "to", "stamp", "run", "webhooks", "ended", "model", "tokens", "limit"),
     tail="fields",
     body="""
 local status = redis.call('HGET', record, 'status')
 if not status or not string.find(',' .. start .. ',', ',' .. status .. ',', 1, true) then
   return 0
+end
+if tonumber(tokens) > 0 then
+  if tonumber(redis.call('HGET', held, model) or '0') + tonumber(tokens) > tonumber(limit) then return -1 end
+  redis.call('HINCRBY', held, model, tokens)
+  redis.call('HSET', record, 'held_tokens', tokens)
+end
+if ended == '1' then
+  local h = redis.call('HMGET', record, 'held_tokens', 'model')
+  if h[1] then
+    if redis.call('HINCRBY', held, h[2] or '', -tonumber(h[1])) <= 0 then redis.call('HDEL', held, h[2] or '') end
+    redis.call('HDEL', record, 'held_tokens')
+  end
 end
 local t = redis.call('TIME')
 redis.call('HSET', record, 'status', to, stamp, t[1])
@@ -235,23 +255,60 @@ def create(client: Client, batch: Batch, listed_at: float) -> Any:
     return pipe.execute()
 
 
-def move(client: Client, batch_id: str, start: tuple[str, ...], to: str, webhook: str = "", **fields: Any) -> Any:
+PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")  # what a line's request brings the model to read
+
+
+def input_tokens(tokenizer: Tokenizer, lines: list[tuple[int, str]], chunk: int = 1024) -> int:
+    """The lines' input tokens as OpenAI's batch queue counts them, an estimate made before any line is rendered:
+    the tokenizer's count of each request's prompt fields, as JSON text."""
+    total = 0
+    for i in range(0, len(lines), chunk):
+        bodies = [json.loads(text)["body"] for _, text in lines[i : i + chunk]]
+        texts = [json.dumps([b[f] for f in PROMPT_FIELDS if f in b], ensure_ascii=False) for b in bodies]
+        total += sum(len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Input tokens a batch going in progress holds in its owner's batch tokens of its model, at most `limit`."""
+
+    model: str
+    tokens: int
+    limit: int
+
+
+def move(
+    client: Client,
+    batch: Batch,
+    start: tuple[str, ...],
+    to: str,
+    webhook: str = "",
+    hold: Hold | None = None,
+    fields: dict[str, Any] | None = None,
+) -> Any:
     """Moves the batch to status `to` if it is in one of `start`, setting `fields` (JSON-encoded unless strings) and
-    pushing `webhook` (chatq.core.webhooks.WebhookMessages.block) if `to` is an end; true (awaited, for an asyncio
-    client) if it moved. A batch moved in progress or cancelling joins the batches the APIs run."""
-    flat = [x for k, v in fields.items() for x in (k, v if isinstance(v, str) else json.dumps(v))]
+    pushing `webhook` (chatq.core.webhooks.WebhookMessages.block) if `to` is an end; 1 (awaited, for an asyncio
+    client) if it moved, 0 if not, -1 if its `hold` would pass its owner's limit. A batch moved in progress or
+    cancelling joins the batches the APIs run; an end gives back the tokens it held."""
+    flat = [x for k, v in (fields or {}).items() for x in (k, v if isinstance(v, str) else json.dumps(v))]
     block = webhook if to in ENDED else ""
     return _MOVE.run(
         client,
-        record=keys.batch(batch_id),
+        record=keys.batch(batch.id),
         statuses=keys.batch_statuses(),
         running=keys.batches_running(),
-        batch_id=batch_id,
+        held=keys.batch_tokens(batch.owner),
+        batch_id=batch.id,
         start=",".join(start),
         to=to,
         stamp=_STAMPS[to],
         run="1" if to in ("in_progress", "cancelling") else "",
         webhooks=block,
+        ended="1" if to in ENDED else "0",
+        model=hold.model if hold else "",
+        tokens=hold.tokens if hold else 0,
+        limit=hold.limit if hold else 0,
         fields=flat,
     )
 

@@ -153,6 +153,11 @@ def usage(day: str, owner: str) -> str:
     return f"{PREFIX}:usage:{day}:{owner}"
 
 
+def batch_tokens(owner: str) -> str:
+    """An API key's input tokens held by its batches in progress, by model (chatq.core.batches)."""
+    return f"{PREFIX}:batchtokens:{owner}"
+
+
 def dispatched(model: str) -> str:
     """The model's jobs whose task message went to a Celery lane, not yet claimed by a worker (chatq.core.fair)."""
     return f"{PREFIX}:dispatched:{model}"
@@ -325,6 +330,12 @@ LAYOUT = (
         "hash",
         "an API key's usage that day (UTC), kept 90 days, and since it began: `{model}|requests`, "
         "`{model}|input_tokens`, `{model}|output_tokens` ([keys](keys.md#usage))",
+    ),
+    Entry(
+        (batch_tokens("{hash}"),),
+        "hash",
+        "a managed key's input tokens held by its batches in progress: `{model}` -> tokens, checked against its "
+        "`batch_tokens` limit ([keys](keys.md#limits))",
     ),
     Entry(
         (dispatched("{model}"),),

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from typing import Any
 
 import httpx
 import openai
@@ -119,3 +121,46 @@ def test_keys_without_limits_answer_without_the_headers(guarded):
     for key in (managed(guarded), guarded.settings.api_key_list[0]):
         r = guarded.client(key).post("/v1/chat/completions", json={"messages": M, "max_tokens": 1})
         assert r.status_code == 200 and not [h for h in r.headers if h.startswith("x-ratelimit")]
+
+
+def batch_of(client: openai.OpenAI, model: str, lines: int, tag: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 64}
+    text = "\n".join(
+        json.dumps(
+            {
+                "custom_id": f"{tag}{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": body | {"ignore_eos": True},
+            }
+        )
+        for i in range(lines)
+    )
+    file = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+    return client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h").id
+
+
+def settled(client: openai.OpenAI, batch_id: str, *statuses: str) -> Any:
+    deadline = time.monotonic() + 300
+    while (batch := client.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    return batch
+
+
+def test_a_keys_batches_hold_no_more_input_tokens_than_its_batch_limit(guarded):
+    # Each line's messages are about 15 tokens: four lines fit 100, eight do not.
+    client = openai.OpenAI(base_url=f"{guarded.base}/v1", api_key=managed(guarded, batch_tokens=100))
+    model = guarded.settings.model_name
+    first = batch_of(client, model, 4, "a")
+    assert settled(client, first, "in_progress", "completed", "failed").status == "in_progress"
+    second = settled(client, batch_of(client, model, 4, "b"), "in_progress", "failed", "completed")
+    assert client.batches.retrieve(first).status == "in_progress"  # still holding its tokens
+    assert second.status == "failed"
+    error = second.errors.data[0]
+    assert error.code == "token_limit_exceeded" and "Limit: 100 enqueued tokens" in error.message
+    assert settled(client, first, "completed").request_counts.completed == 4  # its end gives the tokens back
+    third = settled(client, batch_of(client, model, 4, "c"), "completed", "failed")
+    assert third.status == "completed" and third.request_counts.completed == 4
+    alone = settled(client, batch_of(client, model, 8, "d"), "in_progress", "failed", "completed")
+    assert alone.status == "failed" and alone.errors.data[0].code == "token_limit_exceeded"

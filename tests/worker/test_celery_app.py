@@ -45,7 +45,10 @@ def test_a_worker_whose_engine_hangs_leaves_the_registry_until_it_moves_again(se
         assert beat(state, settings) is None and r.zscore(registry, "hanging") is not None
         # Its own entry says how its engine runs, and lives a worker TTL past its last beat.
         own = keys.worker("hanging")
-        assert r.hgetall(own) == {"model": settings.model_name, "device": "cpu", "mode": "zero", "checks": "[]"}
+        slots = str(settings.worker_concurrency)  # the jobs it runs at once: its fair-share slots
+        assert r.hgetall(own) == {"model": settings.model_name, "device": "cpu", "mode": "zero", "checks": "[]"} | {
+            "slots": slots
+        }
         assert 0 < r.ttl(own) <= settings.worker_ttl
         request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         run = runner.submit(Job(id="chatcmpl-hanging", model=settings.model_name, request=request, prompt_ids=[1]))
