@@ -42,6 +42,7 @@ EXAMPLES = {
     keys.rate_bucket: ("0f", "tokens"),
     keys.in_flight: ("0f",),
     keys.usage: ("2026-12-05", "0f"),
+    keys.batch_tokens: ("0f",),
     keys.dispatched: ("m",),
     keys.fair_waiting: ("m", 5),
     keys.fair_parked: ("m", 5, "0f"),

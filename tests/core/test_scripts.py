@@ -253,8 +253,16 @@ def test_a_misnamed_argument_is_refused_before_anything_is_sent(r: redis.Redis):
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     r.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued"})
     named = dict(job=keys.job(job_id), queued=keys.queued("m"), cancels=keys.cancels("w@a"))
-    named |= dict(running=keys.running("m"), worker="w@a", now=1.0, job_id=job_id, lane=0, delivery="")
-    with pytest.raises(TypeError, match=r"without \['delivery', 'dispatched'\], with undeclared \['deliver'\]"):
+    named |= dict(
+        running=keys.running("m"),
+        dispatched=keys.dispatched("m"),
+        worker="w@a",
+        now=1.0,
+        job_id=job_id,
+        lane=0,
+        delivery="",
+    )
+    with pytest.raises(TypeError, match=r"without \['delivery'\], with undeclared \['deliver'\]"):
         worker_scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "delivery"}, deliver="")
     with pytest.raises(TypeError, match=r"without \['lane'\]"):
         worker_scripts._CLAIM.run(r, **{k: v for k, v in named.items() if k != "lane"})
