@@ -51,6 +51,7 @@ def test_a_key_created_at_run_time_serves_at_once_and_owns_what_it_creates(guard
         "rpm": 60,
         "tpm": 10_000,
         "in_flight": None,
+        "batch_tokens": None,
         "weight": 1.0,
         "models": [model],
     }
