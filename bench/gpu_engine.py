@@ -6,7 +6,9 @@ continuous batching decides the rest. Prints a table and writes engine_results.j
     python bench/gpu_engine.py                    # qwen0.5b and llama8b on CUDA, bf16
     MODELS=tiny N=16 NEW=8 python bench/gpu_engine.py   # a quick check on CPU
 
-GRAPHS (default 256) is the largest decode batch replayed as a CUDA graph; GRAPHS=0 runs every step eagerly. If
+LORAS (default 4): the first model runs again with its requests spread over that many random adapters of rank 16
+(engine "chatq+4lora"); 0 leaves it out. GRAPHS (default 256) is the largest decode batch replayed as a CUDA graph;
+GRAPHS=0 runs every step eagerly. If
 the run fails, the model runs again eagerly; each row says whether its graphs were captured and all its tokens made.
 
 Where vLLM is installed (`import vllm` works), each model runs the same load again through chatq's vLLM engine
@@ -33,8 +35,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from chatq.core import lora_format  # noqa: E402
+from chatq.core.lora_format import LoraSpec  # noqa: E402
 from chatq.worker.engine import Engine, Sequence, StepEngine  # noqa: E402
 from chatq.worker.forward import KVCache  # noqa: E402
+from chatq.worker.lora import Weights, layout_of  # noqa: E402
 from chatq.worker.sampler import SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,6 +49,7 @@ N = int(os.environ.get("N", "256"))
 NEW = int(os.environ.get("NEW", "256"))
 CHUNK = int(os.environ.get("CHUNK", "8192"))
 GRAPHS = int(os.environ.get("GRAPHS", "256"))
+LORAS = int(os.environ.get("LORAS", "4"))  # the first model again, its requests spread over this many adapters
 VLLM = importlib.util.find_spec("vllm") is not None
 
 
@@ -93,11 +99,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(engine: StepEngine, prompts: list[list[int]], new: int) -> tuple[float, int, dict[str, list[float]]]:
+def run(
+    engine: StepEngine, prompts: list[list[int]], new: int, loras: list[Weights] | None = None
+) -> tuple[float, int, dict[str, list[float]]]:
     """Wall seconds, tokens made, and the seconds of each step, apart for steps with prompt tokens ("prefill")
-    and steps of decodes alone ("decode"); every step waits for its sampled ids, so each includes its GPU time."""
+    and steps of decodes alone ("decode"); every step waits for its sampled ids, so each includes its GPU time.
+    `loras`: adapters the requests take in turn."""
     for i, p in enumerate(prompts):
-        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=new, temperature=0.0)))
+        lora = loras[i % len(loras)] if loras else None
+        engine.add(Sequence(str(i), p, SamplingParams(max_tokens=new, temperature=0.0), lora=lora))
     sync()
     t0 = time.perf_counter()
     tokens, steps = 0, {"prefill": [], "decode": []}
@@ -257,8 +267,17 @@ def prompts_for(cfg) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [torch.randint(10, cfg.vocab_size - 10, (n,)).tolist() for n in (64, 200, 512, 100)]
 
 
-def bench_model(kind: str, graph_batch: int) -> dict:
+def random_adapters(cfg, count: int, rank: int = 16) -> tuple[LoraSpec, list[Weights]]:
+    """`count` adapters of random weights on all seven projections, made in memory."""
+    spec = lora_format.spec_of(cfg.to_dict(), max_rank=rank, max_loras=count)
+    size = layout_of(spec).size
+    return spec, [Weights(f"random-{i}", f"random-{i}", rank, (torch.randn(size) * 0.02).to(DT)) for i in range(count)]
+
+
+def bench_model(kind: str, graph_batch: int, loras: int = 0) -> dict:
+    """`loras`: the requests spread over that many adapters of rank 16."""
     cfg = config(kind)
+    spec, made = random_adapters(cfg, loras) if loras else (None, None)
     torch.manual_seed(0)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DT).eval()
@@ -276,15 +295,16 @@ def bench_model(kind: str, graph_batch: int) -> dict:
         prefill_chunk=CHUNK,
         max_model_len=cfg.max_position_embeddings,
         graph_batch=graph_batch,
+        lora=spec,
     )
     setup = time.perf_counter() - t
     prompts, warm = prompts_for(cfg)
     warm_up(engine, warm)
-    wall, tokens, steps = run(engine, prompts, NEW)
+    wall, tokens, steps = run(engine, prompts, NEW, made)
     decode = sorted(steps["decode"])
     return dict(
         model=kind,
-        engine="chatq",
+        engine=f"chatq+{loras}lora" if loras else "chatq",
         device=DEV,
         n_req=N,
         new=NEW,
@@ -385,11 +405,13 @@ def main() -> None:
             facts[name] = f"{type(e).__name__}: {e}"
     print(json.dumps(facts), flush=True)
     results = []
-    for kind in os.environ.get("MODELS", "qwen0.5b,llama8b").split(","):
+    kinds = os.environ.get("MODELS", "qwen0.5b,llama8b").split(",")
+    runs = [(kinds[0], 0)] + ([(kinds[0], LORAS)] if LORAS else []) + [(kind, 0) for kind in kinds[1:]]
+    for kind, loras in runs:
         row: dict | None = None
         for graph_batch in [GRAPHS, 0] if GRAPHS else [0]:  # a failed run is tried once more, eagerly
             try:
-                row = bench_model(kind, graph_batch)
+                row = bench_model(kind, graph_batch, loras)
             except Exception as e:  # noqa: BLE001 - the next model still runs
                 error = f"{type(e).__name__}: {e}"
                 print(json.dumps({"model": kind, "graph_batch": graph_batch, "error": error}), flush=True)
@@ -400,7 +422,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
             (OUT / "engine_results.json").write_text(json.dumps({"facts": facts, "results": results}, indent=1))
-        if VLLM:
+        if VLLM and not loras:
             try:
                 row = bench_vllm(kind)
             except Exception as e:  # noqa: BLE001 - the next model still runs
@@ -417,12 +439,12 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    head = f"{'model':<10} {'engine':>6} {'requests':>8} {'new':>5} {'mode':>6} {'tokens':>8} {'seconds':>8}"
+    head = f"{'model':<10} {'engine':>11} {'requests':>8} {'new':>5} {'mode':>6} {'tokens':>8} {'seconds':>8}"
     print(f"\n{head} {'tok/s':>10} {'prefill s':>10} {'decode s':>9} {'decode step p50 ms':>19}")
     for r in results:
         mode = r.get("mode", "-")
         print(
-            f"{r['model']:<10} {r['engine']:>6} {r['n_req']:>8} {r['new']:>5} {mode:>6} {r['gen_tokens']:>8} "
+            f"{r['model']:<10} {r['engine']:>11} {r['n_req']:>8} {r['new']:>5} {mode:>6} {r['gen_tokens']:>8} "
             f"{r['s']:>8} {r['tok_s']:>10} {r['prefill_s']:>10} {r['decode_s']:>9} {r['decode_step_ms_p50']!s:>19}"
         )
 

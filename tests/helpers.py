@@ -82,6 +82,47 @@ def build_tiny_model(target: Path) -> Path:
     return target
 
 
+def make_adapter(target: Path, rank: int = 8, seed: int = 0, base: Path | None = None) -> Path:
+    """A PEFT LoRA adapter of the default model (or of the model at `base`) on all seven projections, its A and B
+    random and non-zero (a fresh adapter's B is zero: it would change nothing), saved into `target`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base or Settings().model_dir, dtype=torch.float32)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    peft_model.save_pretrained(target)
+    return target
+
+
+def peft_greedy(adapter: str | Path | None, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Each prompt's first `new` greedy tokens from transformers' own forward and cache, under the adapter at
+    `adapter` through peft (None: the model alone), EOS not treated specially."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Settings().model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            res = model(torch.tensor([ids]), use_cache=True)
+            tokens = [int(res.logits[0, -1].argmax())]
+            for _ in range(new - 1):
+                res = model(torch.tensor([tokens[-1:]]), past_key_values=res.past_key_values, use_cache=True)
+                tokens.append(int(res.logits[0, -1].argmax()))
+            out.append(tokens)
+    return out
+
+
 def vllm_venv() -> Path:
     """The vLLM venv, for a test that runs in it. Where it is missing the test skips, saying how to make it; with
     REQUIRE_VLLM_TESTS=1 (CI), it fails."""

@@ -14,10 +14,10 @@ import pytest
 
 from bench import soak
 from chatq.cli import api_command
-from chatq.core import keys, metrics
+from chatq.core import adapters, keys, lora_format, metrics
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import Cluster, Frame, frames
+from tests.helpers import Cluster, Frame, frames, make_adapter
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
 
@@ -188,6 +188,28 @@ def test_a_filtered_job_whose_worker_is_killed_continues_with_the_same_filters(c
     assert named == [[e["token"] for e in t["top_logprobs"]] for t in whole["logprobs"]["content"]]
     job_id = fs[0].json["id"]
     assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    cluster.wait_live(cluster.start_worker())
+
+
+def test_a_job_under_an_adapter_whose_worker_is_killed_continues_with_it(cluster, http, tmp_path):
+    path = str(make_adapter(tmp_path / "adapter", rank=8, seed=5))
+    model = cluster.settings.model_name
+    adapters.add_at_start(cluster.r, adapters.record("steady", model, path, lora_format.read_config(path)))
+    deadline = time.time() + 10
+    while "steady" not in [m["id"] for m in http.get("/v1/models").json()["data"]]:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    resp = http.post("/v1/chat/completions", json=body(100, model="steady"))
+    assert resp.status_code == 200, resp.text
+    expected = resp.json()["choices"][0]["message"]["content"]
+    assert expected != answer(http, 100), "the adapter changes the answer"
+    fs, killed = stream_signalling(cluster, http, body(100, stream=True, model="steady"), 20, signal.SIGKILL)
+    assert_whole(fs)
+    assert text_of(fs) == expected
+    assert {f.json["model"] for f in fs if f.data[0] == "{"} == {"steady"}
+    job_id = fs[0].json["id"]
+    assert cluster.r.hget(keys.job(job_id), "attempts") == "2" and finished_by(cluster, job_id) != killed
+    cluster.r.hdel(keys.adapters(), "steady")
     cluster.wait_live(cluster.start_worker())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chatq.core.adapters import Adapter
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.completion_request import CompletionRequest
 from chatq.core.errors import BadRequest
@@ -22,6 +23,8 @@ class ServedModel:
     created: int
     digest: str  # of the entry it was built from: a changed entry is loaded again
     renderer: Renderer = field(repr=False, compare=False)
+    # The LoRA adapter a request named, served by this model's workers; None: the model itself.
+    adapter: Adapter | None = None
 
     @classmethod
     def build(cls, info: ModelInfo, created: int, digest: str, trust_request_templates: bool = False) -> ServedModel:
@@ -30,7 +33,13 @@ class ServedModel:
 
     @property
     def name(self) -> str:
+        """The model's name: its workers' queue, its metrics', its limits'."""
         return self.info.name
+
+    @property
+    def shown_name(self) -> str:
+        """The name the request used: its adapter's, or the model's."""
+        return self.adapter.name if self.adapter is not None else self.info.name
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         body.check()

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from chatq.api import admin, batches, dispatcher, errors, files, metrics, responses
+from chatq.api import adapters, admin, batches, dispatcher, errors, files, metrics, responses
 from chatq.api.auth import Keys
 from chatq.api.batch_files import BatchFiles
 from chatq.api.batch_runner import BatchRunner
@@ -91,6 +91,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(admin.router)
+    if settings.allow_runtime_lora_updating:  # else not found, as vLLM leaves them out
+        app.include_router(adapters.router)
     app.include_router(open_router)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
     # Open, as /health is and vLLM's is: scrapers rarely hold an API key, and it shows counts, never content.

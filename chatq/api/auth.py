@@ -86,8 +86,11 @@ class Keys:
             raise AuthenticationFailed()
         return Caller(presented, key)
 
+    def is_admin(self, authorization: str | None) -> bool:
+        return bool(self.admin) and _among(_presented(authorization), self.admin)
+
     def check_admin(self, authorization: str | None) -> None:
-        if not self.admin or not _among(_presented(authorization), self.admin):
+        if not self.is_admin(authorization):
             raise AdminKeyRequired()
 
     async def _managed(self, presented: str) -> ApiKey | None:

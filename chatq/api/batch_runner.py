@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from chatq.api import responses
 from chatq.api.batch_files import BatchFiles
@@ -43,7 +43,11 @@ LOOK_EVERY = 1.0
 STOP_GRACE = 30.0
 # Plan lines read per thread hop.
 READ_AHEAD = 256
-KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "text", "/v1/responses": "response"}
+KINDS: dict[str, Literal["chat", "text", "response"]] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text",
+    "/v1/responses": "response",
+}
 STOP_MESSAGES = {
     "batch_cancelled": "The batch was cancelled before this request ran.",
     "batch_expired": "The batch expired before this request ran.",
@@ -140,9 +144,10 @@ class LineRun:
         self.read = 0  # plan lines read
         self.ahead: list[PlanLine] = []  # read, not yet released
         self.pending: dict[int, PlanLine] = {}  # released, not yet answered
-        self.model = ""
+        self.model = ""  # the model its lines run on
+        self.named: str | None = None  # the name they give it: the model's, or an adapter's
         self.owner = ""
-        self.kind = "chat"
+        self.kind: Literal["chat", "text", "response"] = "chat"
         self.stopping_since: float | None = None
         self.wake = asyncio.Event()
         self.watching: dict[int, asyncio.Task[None]] = {}  # the line's job's `done`, awaited
@@ -197,6 +202,7 @@ class LineRun:
         """Reads the plan up to where the batch's runners got: a line released and not answered is pending, one
         neither answered nor released (its release lost with Redis's last writes) is to be released again."""
         self.kind, self.owner = KINDS[batch.endpoint], batch.owner
+        self.named = batch.model or None  # the model its lines name: maybe an adapter
         try:
             self.model = (await self.svc.models.get(batch.model)).name
         except ModelNotFound:  # no longer served: its lines fail as they are submitted
@@ -316,8 +322,8 @@ class LineRun:
     async def _submit_job(self, line: PlanLine) -> None:
         request_id, owner = line.job_request_id(self.batch_id), self.owner
         if self.kind == "response":
-            body = ResponsesRequest.model_validate(line.body)
-            ready = await responses.prepare(self.svc, body, owner, "resp_" + request_id)
+            asked = ResponsesRequest.model_validate(line.body)
+            ready = await responses.prepare(self.svc, asked, owner, "resp_" + request_id)
             chat = _last(ready.chat)
             await self.svc.store.submit(
                 chat,
@@ -328,17 +334,20 @@ class LineRun:
                 owner,
                 response=ready.stored,
                 line=True,
+                adapter=ready.model.adapter,
             )
             return
-        model = await self.svc.models.get(self.model)
+        model = await self.svc.models.get(self.named)
+        body: ChatCompletionRequest | CompletionRequest
         if self.kind == "chat":
-            chat_body = _last(ChatCompletionRequest.model_validate(line.body))
-            prompts = [await self.svc.models.off_loop(model.chat_prompt, chat_body)]
-            await self.svc.store.submit(chat_body, "chat", model.name, prompts, request_id, owner, line=True)
+            body = _last(ChatCompletionRequest.model_validate(line.body))
+            prompts = [await self.svc.models.off_loop(model.chat_prompt, body)]
         else:
-            text_body = _last(CompletionRequest.model_validate(line.body))
-            prompts = await self.svc.models.off_loop(model.text_prompts, text_body)
-            await self.svc.store.submit(text_body, "text", model.name, prompts, request_id, owner, line=True)
+            body = _last(CompletionRequest.model_validate(line.body))
+            prompts = await self.svc.models.off_loop(model.text_prompts, body)
+        await self.svc.store.submit(
+            body, self.kind, model.name, prompts, request_id, owner, line=True, adapter=model.adapter
+        )
 
     async def _stop(self, batch: Batch) -> None:
         """Ends a batch cancelled or past its window: its running lines cancelled, the lines they and the rest of

@@ -19,6 +19,7 @@ from pydantic_core import PydanticSerializationError
 
 from chatq.api.relay import last_seq
 from chatq.core import api_scripts, keys, logs, telemetry
+from chatq.core.adapters import Adapter
 from chatq.core.api_scripts import InFlight, Listing, Outcome, Parking
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.chunks import cancelled_while_queued
@@ -96,16 +97,18 @@ class JobStore:
         line: bool = False,
         in_flight: int | None = None,
         share: Share | None = None,
+        adapter: Adapter | None = None,
     ) -> Submission:
         """The job, recorded and enqueued, and its queue position at that moment; or the live job that
         `idempotency_key` already names for this owner, with nothing enqueued. `prompts`: the prompt's ids, or each
         of a legacy batch's. `trace` is the trace context the job keeps (telemetry.job_trace). A batch's `line` goes
         in the batch lane, unlisted and uncapped. `in_flight`: the owner's cap on its jobs queued or running. `share`:
         what the job counts for in its owner's fair share; with it (and CHATQ_FAIR_SHARE), the job waits for a free
-        slot there rather than going to its lane at once (chatq.core.fair)."""
+        slot there rather than going to its lane at once (chatq.core.fair). `adapter`: the LoRA adapter it runs with."""
         if request_id is not None and not JOB_ID.fullmatch(request_id):
             raise BadRequest("request_id must be 1 to 128 letters, digits or the characters . _ ~ -", "request_id")
         job = self._job(request, kind, model, prompts, request_id, owner, trace, response)
+        job.adapter = adapter
         lane = BATCH_LANE if line else celery_priority(request.priority, request.background)
         now = time.time()
         score = lane_score(lane, now)
@@ -304,7 +307,7 @@ class JobStore:
             job = Job.from_redis(h)
         except (ValueError, KeyError):  # a record this version cannot read: left out, as GET would fail on it
             return None
-        return job if model is None or job.model == model else None
+        return job if model is None or job.shown_model == model else None
 
     async def queue_position(self, job: Job) -> int | None:
         rank: int | None = await self.redis.zrank(keys.queued(job.model), job.id)  # type: ignore[assignment]
@@ -328,7 +331,7 @@ class JobStore:
                 "id": job.id,
                 "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": job.created,
-                "model": job.model,
+                "model": job.shown_model,
                 "choices": [],
             }
         obj["status"] = job.status.value

@@ -5,6 +5,7 @@ without a restart; each model's tokenizer and templates are loaded once per entr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,7 +14,8 @@ import anyio
 import redis.asyncio as aioredis
 
 from chatq.api.admission import ServedModel
-from chatq.core import keys, registry
+from chatq.core import adapters, keys, registry
+from chatq.core.adapters import Adapter
 from chatq.core.api_keys import ApiKey
 from chatq.core.errors import ModelNotFound, NoLiveWorker, RedisUnreachable
 from chatq.core.settings import Settings
@@ -31,6 +33,7 @@ class Models:
         self.settings = settings
         self.served: dict[str, ServedModel] = {}
         self.workers: dict[str, int] = {}  # live workers per registered model
+        self.adapters: dict[str, Adapter] = {}  # the known LoRA adapters, by name
         self.read_at = -float("inf")
         self._reading: asyncio.Future[None] | None = None
         # Rendering and tokenizing run in threads, so a long prompt costs its own request time, not the event
@@ -42,20 +45,28 @@ class Models:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     async def get(self, name: str | None, need_worker: bool = False, key: ApiKey | None = None) -> ServedModel:
-        """The model a request names (none: CHATQ_MODEL_NAME). `need_worker`: the request waits for its answer, so
-        a model without a live worker is a 503 rather than a job left waiting. `key`: the managed key asking, to
-        which a model it may not use is not found."""
+        """The model a request names (none: CHATQ_MODEL_NAME), or the model serving the LoRA adapter it names.
+        `need_worker`: the request waits for its answer, so a model without a live worker is a 503 rather than a
+        job left waiting. `key`: the managed key asking, to which a model it may not use is not found."""
         name = name or self.settings.model_name
         if key is not None and not key.allows(name):
             raise ModelNotFound(name)
         await self._fresh(REFRESH)
-        if name not in self.served or (need_worker and not self.workers.get(name)):
+        if self._base(name) not in self.served or (need_worker and not self.workers.get(self._base(name))):
             await self._fresh(MISS_REFRESH)
-        if name not in self.served:
+        base = self._base(name)
+        if base not in self.served:
             raise ModelNotFound(name)
-        if need_worker and not self.workers.get(name):
-            raise NoLiveWorker(name, retry_after=max(1, self.settings.worker_ttl // 3))
-        return self.served[name]
+        if need_worker and not self.workers.get(base):
+            raise NoLiveWorker(base, retry_after=max(1, self.settings.worker_ttl // 3))
+        if name in self.adapters:
+            return dataclasses.replace(self.served[base], adapter=self.adapters[name])
+        return self.served[base]
+
+    def _base(self, name: str) -> str:
+        """The model a name serves with: an adapter's base model, or the model of that name."""
+        adapter = self.adapters.get(name)
+        return adapter.base if adapter is not None and name not in self.served else name
 
     async def live(self) -> list[tuple[ServedModel, int]]:
         """The models with a live worker, and how many each has, by name."""
@@ -85,6 +96,7 @@ class Models:
                 pipe.hget(keys.model(name), "digest")
                 pipe.zcount(keys.workers(name), since, "+inf")
             replies = await pipe.execute()
+            known = await adapters.read_all(self.redis)
             digests = dict(zip(names, replies[::2], strict=True))
             for name, digest in digests.items():
                 if digest is not None and (name not in self.served or self.served[name].digest != digest):
@@ -93,6 +105,7 @@ class Models:
             raise RedisUnreachable() from None
         self.served = {n: m for n, m in self.served.items() if digests.get(n) is not None}
         self.workers = {n: w for n, w in zip(names, replies[1::2], strict=True) if n in self.served}
+        self.adapters = known
         self.read_at = time.monotonic()
 
     async def _load(self, name: str) -> None:

@@ -108,6 +108,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Svc, su
             trace,
             response=ready.stored,
             in_flight=sub.in_flight,
+            adapter=ready.model.adapter,
             share=share,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import re
 import time
@@ -299,9 +300,13 @@ async def own_usage(svc: Svc, caller: CallerOf, days: int = Query(7, ge=1, le=us
 
 @router.get("/v1/models")
 async def list_models(svc: Svc, caller: CallerOf) -> Any:
-    """The models with a live worker that the caller may use, as vLLM lists its served model."""
-    live = [model for model, _ in await svc.models.live() if caller.key is None or caller.key.allows(model.name)]
-    return {"object": "list", "data": [_card(model) for model in live]}
+    """The models with a live worker that the caller may use, then their LoRA adapters, as vLLM lists them."""
+    live = [model for model, _ in await svc.models.live()]
+    adapters = [
+        dataclasses.replace(m, adapter=a) for m in live for a in svc.models.adapters.values() if a.base == m.name
+    ]
+    shown = [m for m in live + adapters if caller.key is None or caller.key.allows(m.shown_name)]
+    return {"object": "list", "data": [_card(model) for model in shown]}
 
 
 @router.get("/v1/models/{model}")
@@ -310,13 +315,15 @@ async def retrieve_model(model: str, svc: Svc, caller: CallerOf) -> Any:
 
 
 def _card(model: ServedModel) -> dict[str, Any]:
-    info = model.info
+    """A model's card; an adapter's names its files as `root` and its model as `parent`, as vLLM's does."""
+    info, adapter = model.info, model.adapter
     return {
-        "id": info.name,
+        "id": model.shown_name,
         "object": "model",
-        "created": model.created,
+        "created": adapter.created if adapter else model.created,
         "owned_by": registry.OWNED_BY,
-        "root": info.name,
+        "root": adapter.path if adapter else info.name,
+        "parent": adapter.base if adapter else None,
         "max_model_len": info.max_model_len,
         # What a request leaves out is sampled with (docs/api.md#sampling).
         "sampling_defaults": info.sampling_defaults,
@@ -366,6 +373,7 @@ async def _respond(
             trace,
             in_flight=sub.in_flight,
             share=share,
+            adapter=model.adapter,
         )
 
     job, position, created, taken = await submit_within_limits(svc, sub, body, model, prompts, submit)

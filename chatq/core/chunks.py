@@ -179,8 +179,8 @@ class ChatFormatter:
 def formatter_for(job: Job) -> ChatFormatter:
     """The formatter of the job's kind: chat, or legacy text completions."""
     if isinstance(job.request, ChatCompletionRequest):
-        return ChatFormatter(job.id, job.created, job.model, job.request.response_role)
-    return TextFormatter(job.id, job.created, job.model)
+        return ChatFormatter(job.id, job.created, job.shown_model, job.request.response_role)
+    return TextFormatter(job.id, job.created, job.shown_model)
 
 
 def cancelled_while_queued(job: Job, opened: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -103,6 +103,15 @@ class AdminKeyRequired(ChatqError):
         )
 
 
+class OperatorOnly(ChatqError):
+    """A route of the service's operators (loading adapters) called with a managed key."""
+
+    status, type = 403, "PermissionDeniedError"
+
+    def __init__(self) -> None:
+        super().__init__("This route needs the admin key or a key of CHATQ_API_KEYS, not a managed key.")
+
+
 class RequestTooLarge(ChatqError):
     status, type = 413, "RequestTooLargeError"
 

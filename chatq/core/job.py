@@ -12,6 +12,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
+from chatq.core.adapters import Adapter
 from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.completion_request import CompletionRequest
 
@@ -63,8 +64,15 @@ class Job(BaseModel):
     # The job's partition of the workers' prefix cache, a hex digest ("" for the one every job of an open API without
     # a cache_salt shares): set where the job is submitted, from its API key and cache_salt.
     cache_partition: str = ""
+    # The LoRA adapter it runs with, as it was known when the job was submitted; None: the model alone.
+    adapter: Adapter | None = None
     # When the job ended (unix seconds), as its worker wrote it; read only.
     finished: float | None = None
+
+    @property
+    def shown_model(self) -> str:
+        """The model its answer names: the adapter the request named, or the model."""
+        return self.adapter.name if self.adapter is not None else self.model
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -109,6 +117,8 @@ class Job(BaseModel):
             out["response"] = json.dumps(self.response)
         if self.cache_partition:
             out["cache_partition"] = self.cache_partition
+        if self.adapter is not None:
+            out["adapter"] = self.adapter.model_dump_json()
         return out
 
     @classmethod
@@ -135,6 +145,7 @@ class Job(BaseModel):
             tracestate=h.get("tracestate", ""),
             response=json.loads(h["response"]) if "response" in h else None,
             cache_partition=h.get("cache_partition", ""),
+            adapter=Adapter.model_validate_json(h["adapter"]) if "adapter" in h else None,
             finished=float(h["finished"]) if "finished" in h else None,
         )
 

@@ -183,6 +183,11 @@ def fair_service(model: str) -> str:
     return f"{PREFIX}:fair:{model}:service"
 
 
+def adapters() -> str:
+    """The known LoRA adapters, by name: each one's record (chatq.core.adapters)."""
+    return f"{PREFIX}:adapters"
+
+
 def celery_queue(model: str) -> str:
     return f"{PREFIX}.{model}"
 
@@ -233,8 +238,13 @@ LAYOUT = (
         (model("{model}"),),
         "hash",
         "the model's entry: `record` (JSON: `name`, `max_model_len`, `vocab_size`, `chat_templates`, "
-        "`special_tokens`, `eos_token_ids`, `sampling_defaults`), `tokenizer` (its `tokenizer.json`), `digest` (of "
-        "the two), `created`",
+        "`special_tokens`, `eos_token_ids`, `sampling_defaults`, `lora`: what adapters its workers take), "
+        "`tokenizer` (its `tokenizer.json`), `digest` (of the two), `created`",
+    ),
+    Entry(
+        (adapters(),),
+        "hash",
+        "the known LoRA adapters: name -> JSON record (`name`, `base`, `path`, `rank`, `id` of this load, `created`)",
     ),
     Entry((workers("{model}"),), "zset", "live workers, scored by their last heartbeat"),
     Entry(

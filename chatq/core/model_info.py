@@ -10,6 +10,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from chatq.core.lora_format import LoraSpec
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # The generation_config fields vLLM reads as the model authors' sampling defaults, for what a request leaves out.
 SAMPLING_DEFAULTS = (
@@ -34,6 +36,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, float]  # `max_new_tokens` read as `max_tokens`, as vLLM reads it
     tokenizer: Tokenizer = field(repr=False, compare=False)
+    lora: LoraSpec | None = None  # the adapters its workers take; None: none
 
     @classmethod
     def read(

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from chatq.core import keys
+from chatq.core.lora_format import LoraSpec
 from chatq.core.model_info import ModelInfo
 
 OWNED_BY = "chatq"
@@ -27,6 +28,7 @@ class ModelRecord(BaseModel):
     special_tokens: dict[str, str | None]
     eos_token_ids: list[int]
     sampling_defaults: dict[str, int | float]  # int: top_k, max_tokens
+    lora: LoraSpec | None = None
 
     @classmethod
     def of(cls, info: ModelInfo) -> ModelRecord:
@@ -38,6 +40,7 @@ class ModelRecord(BaseModel):
             special_tokens=info.special_tokens,
             eos_token_ids=list(info.eos_token_ids),
             sampling_defaults=info.sampling_defaults,
+            lora=info.lora,
         )
 
     def info(self, tokenizer: Tokenizer) -> ModelInfo:
@@ -50,6 +53,7 @@ class ModelRecord(BaseModel):
             eos_token_ids=tuple(self.eos_token_ids),
             sampling_defaults=self.sampling_defaults,
             tokenizer=tokenizer,
+            lora=self.lora,
         )
 
 

@@ -130,7 +130,7 @@ def response_object(job: Job) -> dict[str, Any]:
         "created_at": job.created,
         "completed_at": int(job.finished) if status == "completed" and job.finished else None,
         "status": status,
-        "model": job.model,
+        "model": job.shown_model,
         "output": output_items(job.id, job.result),
         "usage": _usage(job) if job.status.finished else None,
         "error": error,

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from chatq.core.adapters import parse_modules
 from chatq.core.redis_url import sentinel_url
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -91,6 +92,19 @@ class Settings(BaseSettings):
     # prompt tokens is the longest gap a running stream sees while a long prompt comes in.
     prefill_chunk: Positive = 256
     max_model_len: NonNegative = 0
+    # LoRA adapters (docs/adapters.md). Whether a worker serves them: off, it keeps no room for them.
+    enable_lora: bool = True
+    # Adapters known from the start, vLLM's `name=path` pairs, comma-separated; each worker of the model checks and
+    # announces them.
+    lora_modules: str = ""
+    # Adapters a worker's forward pass holds at once, of ranks up to max_lora_rank; more are kept in its memory (up to
+    # max_cpu_loras) and swapped in as their requests come.
+    max_loras: Positive = 4
+    max_lora_rank: Positive = 16
+    max_cpu_loras: Positive = 32
+    # Whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = False
     # On CUDA, decode steps of up to this many sequences replay captured CUDA graphs (0: always eager).
     cuda_graph_batch: NonNegative = 256
     # On CUDA, "auto": the Triton decode kernel and the CUDA graphs, each where the start check finds it agrees with
@@ -189,6 +203,12 @@ class Settings(BaseSettings):
         if logins and not all(user and pw for user, _, pw in (a.partition(":") for a in logins.split(","))):
             raise ValueError('must be "user:password" (several: comma-separated)')
         return auth
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_path_pairs(cls, value: str) -> str:
+        parse_modules(value)
+        return value
 
     @field_validator("webhook_secret")
     @classmethod

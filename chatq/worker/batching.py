@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chatq.worker.forward import Batch
+from chatq.worker.lora import Resident
 from chatq.worker.sampler import TokenLogprob, to_device
 
 if TYPE_CHECKING:
@@ -17,10 +18,10 @@ if TYPE_CHECKING:
 
 
 def build_batch(
-    scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device
+    scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device, lora: Resident | None = None
 ) -> tuple[Batch, list[Sequence], list[Scored]]:
     """The step's batch; the sequences that sample, whose logits come first; the prompt tokens scored, whose
-    logits follow in that order."""
+    logits follow in that order. `lora`: the adapters the forward pass holds, which the sequences' slots are of."""
     # Per-token Python work covers only the new tokens; anything proportional to context length (slot tables,
     # masks) uses tensor ops, as a step may carry hundreds of long-context sequences.
     bs, dev = block_size, device
@@ -33,7 +34,9 @@ def build_batch(
     scored: list[Scored] = []
     decodes: list[Sequence] = []
     prefills: list[tuple[int, int, torch.Tensor]] = []
+    lora_rows: list[int] = []
     for seq, n in scheduled:
+        lora_rows.extend([seq.lora_slot] * n)
         start = len(ids)
         first = seq.num_cached
         ids.extend(_tokens(seq, first, first + n))
@@ -64,6 +67,7 @@ def build_batch(
         prefills=prefills,
         logits_at=None if not score_at and len(logits_at) == len(ids) else to_device(dev, logits_at + score_at),
         dec_ids=[s.context or s.id for s in decodes],
+        lora_rows=lora.rows(lora_rows) if lora is not None and any(s.lora for s, _ in scheduled) else None,
     )
     return batch, emitting, scored
 

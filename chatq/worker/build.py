@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -9,11 +11,13 @@ from typing import Any
 import redis
 import torch
 
+from chatq.core import lora_format
 from chatq.core.model_info import ModelInfo
 from chatq.core.settings import Settings
 from chatq.worker.engine import Engine, StepEngine
 from chatq.worker.forward import KVCache
 from chatq.worker.grammar import GrammarCompiler, warm_up_masks
+from chatq.worker.lora import Library
 from chatq.worker.model import ensure_model_dir, load_model, pick_device
 from chatq.worker.publish import Publisher
 from chatq.worker.runner import Runner
@@ -81,6 +85,11 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
         settings.generation_config,
         settings.override_generation_config,
     )
+    library = None
+    if settings.enable_lora and settings.engine == "native":
+        config = json.loads((path / "config.json").read_text())
+        model = dataclasses.replace(model, lora=lora_format.spec_of(config, settings.max_lora_rank, settings.max_loras))
+        library = Library(model.lora, pick_device(settings)[1], settings.max_cpu_loras)  # type: ignore[arg-type]
 
     def make_engine() -> StepEngine:
         if settings.engine == "vllm":
@@ -96,6 +105,7 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
             max_model_len=model.max_model_len,
             graph_batch=settings.cuda_graph_batch if on_cuda else 0,
             fast_path=settings.fast_path == "auto",
+            lora=model.lora,
         )
         if on_cuda:
             try:
@@ -115,4 +125,5 @@ def build_runner(settings: Settings, client: redis.Redis, worker: str) -> Runner
         return engine
 
     compiler = GrammarCompiler(model.tokenizer, model.vocab_size, eos_token_ids=model.eos_token_ids)
-    return Runner(make_engine, model, Publisher(client, settings, worker), settings=settings, compiler=compiler)
+    publisher = Publisher(client, settings, worker)
+    return Runner(make_engine, model, publisher, settings=settings, compiler=compiler, library=library)

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import redis
 from celery import signals
 
-from chatq.core import gc_tuning, keys, logs, registry, telemetry, worker_scripts
+from chatq.core import adapters, gc_tuning, keys, logs, lora_format, registry, telemetry, worker_scripts
 from chatq.core.errors import InternalError
 from chatq.core.job import Event, EventKind, Job, JobStatus
+from chatq.core.model_info import ModelInfo
 from chatq.core.queue import GENERATE_TASK, make_celery
 from chatq.core.redis_url import sync_client
 from chatq.core.settings import Settings
@@ -86,7 +87,16 @@ def _load(sender=None, **_kwargs) -> None:
     runner.start()
     entry = registry.entry(runner.model)
     registry.register(client, entry)
+    _announce_adapters(client, runner.model)
     _state = WorkerState(client, runner, name, entry)
+
+
+def _announce_adapters(client: redis.Redis, model: ModelInfo) -> None:
+    """Makes CHATQ_LORA_MODULES' adapters known, each checked against the model first: a bad one stops the worker's
+    start, as it stops vLLM's."""
+    for name, path in adapters.parse_modules(settings.lora_modules).items():
+        config = lora_format.check(path, model.lora, model.name)
+        adapters.add_at_start(client, adapters.record(name, model.name, path, config))
 
 
 @signals.worker_ready.connect

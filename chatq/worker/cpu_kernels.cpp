@@ -9,9 +9,14 @@
 // rms_norm and rotary: the model's RMSNorm and rotary embedding, each one call where transformers' code is six to
 // eight small operations, whose dispatch costs more than their arithmetic at a decode step's few rows. Both round
 // where transformers' code rounds, so their results are the same.
+//
+// lora: a layer's LoRA deltas for one group of projections (chatq.worker.lora), one call where torch would take a
+// product by A and one by each projection's B for every run of rows of one adapter: dozens of small products a layer.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -298,7 +303,131 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
   }
 }
 
+namespace {
+
+constexpr int64_t TILE = 4;  // rows of one run multiplied together: each row of A and B is read once for them
+
+// c [TILE, cols] = p [TILE, depth] q [depth, cols], in float32: each column block's sums for the tile's rows stay in
+// registers while q's rows stream past once (one inner loop over the lanes, which the compiler vectorizes).
+template <typename T>
+void product(const float* p, int64_t depth, const T* q, int64_t cols, float* c) {
+  static_assert(TILE == 4, "four rows' sums");
+  const float *p0 = p, *p1 = p + depth, *p2 = p + 2 * depth, *p3 = p + 3 * depth;
+  int64_t j0 = 0;
+  for (; j0 + LANES <= cols; j0 += LANES) {
+    float s0[LANES] = {}, s1[LANES] = {}, s2[LANES] = {}, s3[LANES] = {};
+    for (int64_t k = 0; k < depth; ++k) {
+      const T* qk = q + k * cols + j0;
+      const float v0 = p0[k], v1 = p1[k], v2 = p2[k], v3 = p3[k];
+      for (int l = 0; l < LANES; ++l) {
+        const float qv = widen(qk[l]);
+        s0[l] += v0 * qv;
+        s1[l] += v1 * qv;
+        s2[l] += v2 * qv;
+        s3[l] += v3 * qv;
+      }
+    }
+    for (int l = 0; l < LANES; ++l) {
+      c[j0 + l] = s0[l];
+      c[cols + j0 + l] = s1[l];
+      c[2 * cols + j0 + l] = s2[l];
+      c[3 * cols + j0 + l] = s3[l];
+    }
+  }
+  for (; j0 < cols; ++j0)  // columns past the last whole register
+    for (int64_t r = 0; r < TILE; ++r) {
+      float sum = 0;
+      for (int64_t k = 0; k < depth; ++k) sum += p[r * depth + k] * widen(q[k * cols + j0]);
+      c[r * cols + j0] = sum;
+    }
+}
+
+// One tile's deltas: low = x[rows] A, then each projection's delta = its part of low times its B.
+template <typename T>
+void lora_tile(const T* x, int64_t in, const T* a, int64_t w, int64_t rank, const std::vector<const T*>& b,
+               const std::vector<int64_t>& outs, const std::vector<T*>& deltas, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  std::vector<float> rows(TILE * in, 0.f), low(TILE * w), part(TILE * rank);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < in; ++i) rows[r * in + i] = widen(x[(begin + r) * in + i]);
+  product(rows.data(), in, a, w, low.data());
+  for (size_t m = 0; m < b.size(); ++m) {
+    const int64_t out = outs[m];
+    for (int64_t r = 0; r < TILE; ++r)
+      for (int64_t q = 0; q < rank; ++q) part[r * rank + q] = low[r * w + m * rank + q];
+    std::vector<float> acc(TILE * out);
+    product(part.data(), rank, b[m], out, acc.data());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < out; ++j) put(deltas[m] + (begin + r) * out + j, narrow<T>(acc[r * out + j]));
+  }
+}
+
+template <typename T>
+void lora_runs(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& b,
+               const std::vector<at::Tensor>& deltas, const at::Tensor& runs) {
+  const int64_t in = x.size(1), w = a.size(2), rank = b[0].size(1);
+  std::vector<int64_t> outs;
+  std::vector<T*> into;
+  for (size_t m = 0; m < b.size(); ++m) {
+    outs.push_back(b[m].size(2));
+    into.push_back(data<T>(deltas[m]));
+  }
+  // Work items: tiles of the runs' rows, each with its slot.
+  const auto* r = runs.data_ptr<int64_t>();
+  // Rows in no run (the base model's) get zeros.
+  std::vector<bool> covered(x.size(0), false);
+  for (int64_t k = 0; k < runs.size(0); ++k)
+    std::fill(covered.begin() + r[3 * k + 1], covered.begin() + r[3 * k + 2], true);
+  for (size_t m = 0; m < b.size(); ++m)
+    for (int64_t row = 0; row < x.size(0); ++row)
+      if (!covered[row]) std::memset(into[m] + row * outs[m], 0, outs[m] * sizeof(T));
+  std::vector<std::array<int64_t, 3>> tiles;
+  for (int64_t k = 0; k < runs.size(0); ++k)
+    for (int64_t begin = r[3 * k + 1]; begin < r[3 * k + 2]; begin += TILE)
+      tiles.push_back({r[3 * k], begin, std::min(begin + TILE, r[3 * k + 2])});
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const auto [slot, begin, end] = tiles[t];
+      std::vector<const T*> bs;
+      for (size_t m = 0; m < b.size(); ++m) bs.push_back(data<T>(b[m]) + slot * b[m].stride(0));
+      lora_tile(data<T>(x), in, data<T>(a) + slot * a.stride(0), w, rank, bs, outs, into, begin, end);
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, in]; a [slots, in, modules * rank]; b[m] [slots, rank, out_m], each slot's matrix contiguous (the slots may be
+// apart: views of one store); deltas[m] [T, out_m], written at the runs' rows; runs [K, 3] int64: (slot, first row,
+// end row); deltas' other rows are zeroed.
+void lora(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& b,
+          const std::vector<at::Tensor>& deltas, const at::Tensor& runs) {
+  std::vector<at::Tensor> all = {x, a[0]};
+  for (const auto& t : b) all.push_back(t[0]);
+  all.insert(all.end(), deltas.begin(), deltas.end());
+  check(all);
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 && runs.size(1) == 3,
+              "runs [K, 3] int64");
+  TORCH_CHECK(x.dim() == 2 && a.dim() == 3 && a.size(1) == x.size(1) && !b.empty() && b.size() == deltas.size() &&
+                  a.size(2) == b[0].size(1) * static_cast<int64_t>(b.size()),
+              "x [T, in], a [slots, in, modules * rank], b[m] [slots, rank, out]");
+  const auto* r = runs.data_ptr<int64_t>();
+  for (int64_t k = 0; k < runs.size(0); ++k)
+    TORCH_CHECK(0 <= r[3 * k] && r[3 * k] < a.size(0) && 0 <= r[3 * k + 1] && r[3 * k + 1] <= r[3 * k + 2] &&
+                    r[3 * k + 2] <= x.size(0),
+                "a run outside the slots or rows");
+  for (size_t m = 0; m < b.size(); ++m)
+    TORCH_CHECK(b[m].size(0) == a.size(0) && b[m].size(1) == b[0].size(1) && deltas[m].size(0) == x.size(0) &&
+                    deltas[m].size(1) == b[m].size(2),
+                "b[m] [slots, rank, out] and deltas[m] [T, out]");
+  if (x.scalar_type() == at::kBFloat16)
+    lora_runs<Bf16>(x, a, b, deltas, runs);
+  else
+    lora_runs<float>(x, a, b, deltas, runs);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lora", &lora);
   m.def("attend", &attend);
   m.def("rms_norm", &rms_norm);
   m.def("rotary", &rotary);

@@ -1,5 +1,5 @@
-"""chatq's C++ kernels for a decode step on CPU (cpu_kernels.cpp): attention over the context rows, RMSNorm and the
-rotary embedding.
+"""chatq's C++ kernels for a decode step on CPU (cpu_kernels.cpp): attention over the context rows, RMSNorm, the
+rotary embedding and LoRA adapters' products.
 
 torch has no decode attention for CPU that reads a step's few queries at the memory's speed, and at a decode step's
 few rows its small operations cost more to dispatch than to run (docs/performance.md). The kernels are compiled with
@@ -156,6 +156,28 @@ def computes_rotary(
     want_q, want_k = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
     kernels.rotary(q, k, cos, sin)
     return _close(q, want_q, dtype) and _close(k, want_k, dtype)
+
+
+def computes_lora(kernels: Any, dtype: torch.dtype) -> bool:
+    """Whether lora computes what the products it replaces do (chatq.worker.lora), on runs of rows of two slots
+    among rows of none."""
+    if dtype not in DTYPES:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 24, generator=gen).to(dtype)
+    store = torch.randn(3, 24 * 8 + 4 * 10 + 4 * 6, generator=gen).to(dtype)  # each slot's matrices side by side
+    a = store[:, : 24 * 8].unflatten(1, (24, 8))
+    b = [store[:, 24 * 8 : 24 * 8 + 40].unflatten(1, (4, 10)), store[:, 24 * 8 + 40 :].unflatten(1, (4, 6))]
+    runs = [(1, 0, 3), (2, 4, 9)]
+    got = [torch.full((9, out), float("nan"), dtype=dtype) for out in (10, 6)]
+    kernels.lora(x, a, b, got, torch.tensor(runs))
+    for slot, begin, end in runs:
+        low = x[begin:end].float() @ a[slot].float()
+        for m, delta in enumerate(got):
+            want = low[:, m * 4 : (m + 1) * 4] @ b[m][slot].float()
+            if not _close(delta[begin:end], want.to(dtype), dtype):
+                return False
+    return bool((got[0][3] == 0).all())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:

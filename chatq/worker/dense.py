@@ -9,6 +9,7 @@ pack for) it is plain F.linear.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# A layer's adapter deltas for a step (chatq.worker.lora): a group of modules and its input -> each module's delta.
+Deltas = Callable[[str, torch.Tensor], list[torch.Tensor]]
 
 
 class Dense:
@@ -77,9 +81,21 @@ class Layer:
         if self.swiglu:
             self.gate, self.up, self.down = (Dense(p, packed) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
-    def mlp_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the MLP of x: a SwiGLU MLP (Llama, Qwen, Mistral) fused here, any other through the model's
-        own module."""
+    def qkv(self, h: torch.Tensor, adapt: Deltas | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's projections of h, with their adapters' deltas if a step has adapters (`adapt`)."""
+        if adapt is None:
+            return self.q(h), self.k(h), self.v(h)
+        dq, dk, dv = adapt("qkv", h)
+        return self.q.plus(h, dq), self.k.plus(h, dk), self.v.plus(h, dv)
+
+    def mlp_plus(self, x: torch.Tensor, residual: torch.Tensor, adapt: Deltas | None = None) -> torch.Tensor:
+        """residual + the MLP of x: a SwiGLU MLP (Llama, Qwen, Mistral) fused here, with its adapters' deltas if
+        a step has adapters (`adapt`); any other through the model's own module."""
         if not self.swiglu:
             return residual + self.mlp(x)
-        return self.down.plus(self.up.times(x, self.gate.silu(x)), residual)
+        if adapt is None:
+            return self.down.plus(self.up.times(x, self.gate.silu(x)), residual)
+        dg, du = adapt("gate_up", x)
+        gate = F.silu(self.gate.plus(x, dg))
+        m = self.up.times(x, gate).addcmul_(du, gate)  # (up + du) * gate, the product still fused
+        return self.down.plus(m, residual + adapt("down", m)[0])

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from chatq.core import logs
+from chatq.core.lora_format import LoraSpec
 from chatq.core.priority import is_batch_line
 from chatq.worker import device, selfcheck
 from chatq.worker.batching import Scored, build_batch, score
@@ -31,6 +32,7 @@ from chatq.worker.blocks import BlockManager
 from chatq.worker.device import DeviceLost
 from chatq.worker.forward import Batch, Interrupted, KVCache, PagedForward
 from chatq.worker.graphs import DecodeGraphs
+from chatq.worker.lora import Resident, Weights
 from chatq.worker.sampler import History, Row, SamplingParams, TokenLogprob, sample, skip_draws
 
 if TYPE_CHECKING:  # xgrammar is imported by a sequence's first grammar: the engine alone runs without it
@@ -62,7 +64,7 @@ class Sequence:
     # Prompt tokens the prefix cache served when it was first admitted (usage's cached_tokens); None until then.
     cached_prompt_tokens: int | None = None
     # Where its prompt's blocks are looked up and registered in the prefix cache: sequences share cached blocks only
-    # within one partition (an API key's, a cache_salt's).
+    # within one partition (an API key's, a cache_salt's, an adapter's).
     cache_salt: bytes = b""
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
@@ -73,12 +75,18 @@ class Sequence:
     format: Grammar | None = None
     history: History = field(default_factory=History)  # the sampler's record of it, for penalties
     beams: BeamGroup | None = None  # the beam search it is a beam of, which picks its tokens instead of the sampler
+    lora: Weights | None = None  # the adapter it runs with; None: the base model
+    lora_slot: int = -1  # where the forward pass holds that adapter, set each time the sequence is admitted
     # What the CPU context rows know its K/V by, if not its id: a beam's changes as it takes another beam's context.
     context: str | None = None
     # With params.prompt_logprobs: the entries of prompt tokens 1, 2, ... (the first has none), as prefill makes them.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish | None = None
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None:  # an adapter's K/V is its own: its prompts share cached blocks with no other's
+            self.cache_salt += self.lora.id.encode()
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -201,10 +209,12 @@ class Engine:
         max_model_len: int,
         graph_batch: int = 0,
         fast_path: bool = True,
+        lora: LoraSpec | None = None,
     ):
         """graph_batch: decode steps of up to this many sequences replay fixed-size buffers (CUDA graphs on CUDA;
         see graphs.py); 0 runs every step eagerly. fast_path: on CUDA, the Triton decode kernel and the graphs, each
-        kept only where the start check (selfcheck) finds it agrees with the plain path; False: neither."""
+        kept only where the start check (selfcheck) finds it agrees with the plain path; False: neither. lora: the
+        adapters it takes, if any (chatq.worker.lora)."""
         config: Any = model.config
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -216,6 +226,8 @@ class Engine:
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         self.forward = PagedForward(model, self.cache)
         self.forward.paged = self.forward.paged and fast_path
+        if lora is not None:
+            self.forward.lora = Resident(lora, dtype, self.device, self.forward.kernels)
         self.graphs: DecodeGraphs | None = None
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefill_chunk = prefill_chunk
@@ -349,7 +361,7 @@ class Engine:
         the plain path fails its prompt chunks, the likely cause (a long chunk's memory), and runs the decodes again
         alone (the rest fail with them into `outputs`). A lost device raises DeviceLost; a pass of batch lines alone
         raises Interrupted once `urgent` is set."""
-        batch, emitting, scored = build_batch(scheduled, self.block_size, self.device)
+        batch, emitting, scored = build_batch(scheduled, self.block_size, self.device, self.forward.lora)
         lines_only = all(is_batch_line(seq.priority) for seq, _ in scheduled)
         while True:
             path = self._path(batch)
@@ -366,7 +378,7 @@ class Engine:
         outputs.extend(self._fail(prefills or [seq for seq, _ in scheduled], f"generation failed ({error})"))
         if not prefills or not decodes:
             return None
-        batch, emitting, scored = build_batch(decodes, self.block_size, self.device)
+        batch, emitting, scored = build_batch(decodes, self.block_size, self.device, self.forward.lora)
         try:
             return self._run(batch, self._path(batch)), emitting, scored, decodes
         except Exception as e:
@@ -483,9 +495,14 @@ class Engine:
             else:
                 prefills.append((seq, n))
                 budget -= n
-        # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue.
+        # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue, as do
+        # those whose adapter has no slot this step.
+        held: list[tuple[int, int, Sequence]] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0][2]
+            if seq.lora is not None and not self._slot(seq):
+                held.append(heapq.heappop(self.waiting))
+                continue
             if not seq.blocks and not seq.scoring:
                 self.blocks.reuse_prefix(seq)
             todo = len(seq) - seq.num_cached
@@ -507,9 +524,22 @@ class Engine:
             bisect.insort(self.running, seq, key=_rank)
             prefills.append((seq, n))
             budget -= n
+        for entry in held:
+            heapq.heappush(self.waiting, entry)
         if not decodes and not prefills and self.waiting:
             self._unblock()
+        if self.forward.lora is not None:  # one adapter's rows side by side: its products take them together
+            decodes.sort(key=lambda entry: entry[0].lora_slot)
         return decodes + prefills
+
+    def _slot(self, seq: Sequence) -> bool:
+        """Gives the sequence its adapter's slot, swapping the adapter in if need be; False while every slot holds
+        an adapter of a running sequence."""
+        assert seq.lora is not None and self.forward.lora is not None
+        busy = {s.lora_slot for s in self.running if s.lora is not None}
+        slot = self.forward.lora.slot_for(seq.lora, busy)
+        seq.lora_slot = -1 if slot is None else slot
+        return slot is not None
 
     def _yield_to_prompts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """The step without its batch lines when it prefills another prompt and lines yield (`lines_yield`); they

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from chatq.worker import attention, cpu_kernels, dense
+from chatq.worker import attention, cpu_kernels, dense, lora
 
 # A CPU decode's context: its place in the context rows, or else the block ids [D, W] and the mask of the slots in
 # use that gathering it takes (attention.gather_context).
@@ -44,6 +44,7 @@ class Batch:
     prefills: list[tuple[int, int, torch.Tensor]]
     logits_at: torch.Tensor | None  # [S] rows of the flat row whose next-token logits are needed; None: all
     dec_ids: list[str] = field(default_factory=list)  # [D] the decoding sequences' ids (CPU context rows)
+    lora_rows: lora.Rows | None = None  # its tokens gathered by adapter; None: no adapter in the step
 
 
 class KVCache:
@@ -144,6 +145,7 @@ class PagedForward:
         self.dense = [dense.Layer(layer, packed) for layer in self.layers]
         lm_head: Any = model.lm_head
         self.head = dense.Dense(lm_head, packed)
+        self.lora: lora.Resident | None = None  # the adapters it holds, once the engine gives it some
 
     @torch.inference_mode()
     def __call__(self, b: Batch, out: torch.Tensor | None = None, stop: threading.Event | None = None) -> torch.Tensor:
@@ -157,10 +159,12 @@ class PagedForward:
         for i, (layer, proj) in enumerate(zip(self.layers, self.dense, strict=True)):
             if stop is not None and stop.is_set():
                 raise Interrupted
+            adapt = None if self.lora is None or b.lora_rows is None else lora.LayerDeltas(self.lora, b.lora_rows, i)
             x = self._norm(layer.input_layernorm, h)
-            h = proj.o.plus(self._attention(layer.self_attn, proj, x, cos, sin, i, b, ctx), h)
+            a = self._attention(layer.self_attn, proj, x, cos, sin, i, b, ctx, adapt)
+            h = proj.o.plus(a, h if adapt is None else h + adapt("o", a)[0])
             x = self._norm(layer.post_attention_layernorm, h)
-            h = proj.mlp_plus(x, h)
+            h = proj.mlp_plus(x, h, adapt)
         h = self._norm(self.norm, h if b.logits_at is None else h[b.logits_at])
         logits = self.head(h)
         return logits.float() if out is None else out.copy_(logits)
@@ -181,13 +185,21 @@ class PagedForward:
         return attention.gather_context(b.dec_table, b.dec_lens, self.cache.block_size)
 
     def _attention(
-        self, attn: Any, proj: dense.Layer, h: torch.Tensor, cos, sin, layer: int, b: Batch, ctx: Context | None
+        self,
+        attn: Any,
+        proj: dense.Layer,
+        h: torch.Tensor,
+        cos,
+        sin,
+        layer: int,
+        b: Batch,
+        ctx: Context | None,
+        adapt: dense.Deltas | None,
     ) -> torch.Tensor:
         """Attention's output for every token, before the output projection."""
         t = h.shape[0]
-        q = proj.q(h).view(t, -1, self.head_dim)
-        k = proj.k(h).view(t, -1, self.head_dim)
-        v = proj.v(h).view(t, -1, self.head_dim)
+        q, k, v = proj.qkv(h, adapt)
+        q, k, v = q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim), v.view(t, -1, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
         if self.fused_rotary:

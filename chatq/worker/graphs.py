@@ -2,8 +2,10 @@
 
 A small model's decode step is many short kernels that take longer to launch from Python than to run; a captured
 graph replays them in one launch. A step of n sequences fills the first n rows of fixed buffers and replays the
-smallest bucket holding them; padding rows use the cache's spare block. Steps with prompt chunks or beyond the
-largest bucket run eagerly. Off CUDA the buffers run uncaptured, so tests check the padding.
+smallest bucket holding them; padding rows use the cache's spare block. With adapters (chatq.worker.lora) each bucket
+has a second graph, whose rows are gathered by adapter through buffers too, so steps of the base model alone pay
+nothing for them. Steps with prompt chunks or beyond the largest bucket run eagerly. Off CUDA the buffers run
+uncaptured, so tests check the padding.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import bisect
 import torch
 
 from chatq.worker.forward import Batch, PagedForward
+from chatq.worker.lora import Rows
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -39,7 +42,13 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=dev)
         self.table = torch.full((n, max_blocks), self.spare_block, dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # With adapters: each token's place in the gathering by slot, and its inverse (chatq.worker.lora.Rows).
+        self.lora = forward.lora
+        stack = 1 + (self.lora.slots if self.lora is not None else 0)
+        self.lora_take = torch.zeros(stack * n, dtype=torch.long, device=dev)
+        self.lora_back = torch.zeros(n, dtype=torch.long, device=dev)
+        self.variants = (False, True) if forward.lora is not None else (False,)  # without adapters, with
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         if self.capture:
             # One output shared by every bucket: one per graph would hold an [n, V] float32 block per bucket, memory
             # the KV-cache sizing never accounted for.
@@ -50,8 +59,13 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def _static(self, n: int) -> Batch:
+    def _static(self, n: int, lora: bool, rows: Rows | None = None) -> Batch:
+        """The buffers' first n rows as a batch; `lora`: with the adapters' gathering, its buffers' or `rows`."""
+        if lora and rows is None:
+            stack = self.lora_take.shape[0] // self.max_batch
+            rows = Rows(self.lora_take[: stack * n], self.lora_back[:n], 0, stack, n, [], torch.zeros(0, 3))
         return Batch(
+            lora_rows=rows,
             input_ids=self.ids[:n],
             positions=self.positions[:n],
             slots=self.slots[:n],
@@ -67,16 +81,17 @@ class DecodeGraphs:
         pool = None
         side = torch.cuda.Stream()
         for n in reversed(self.sizes):
-            batch = self._static(n)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, cuBLAS picks its kernels
-                self.forward(batch)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(batch, self.out[:n])
-            pool = graph.pool()
-            self.graphs[n] = graph
+            for lora in self.variants:
+                batch = self._static(n, lora)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, cuBLAS picks its kernels
+                    self.forward(batch)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.forward(batch, self.out[:n])
+                pool = graph.pool()
+                self.graphs[(n, lora)] = graph
         for graph in self.graphs.values():  # a graph's first replay uploads it: here, not in a request's step
             graph.replay()
         torch.cuda.synchronize()
@@ -92,11 +107,17 @@ class DecodeGraphs:
         self.slots[:n].copy_(b.slots)
         self.table[:n, :width].copy_(b.dec_table)
         self.lens[:n].copy_(b.dec_lens)
+        lora, fixed = b.lora_rows is not None, None
+        if b.lora_rows is not None:
+            assert self.lora is not None
+            fixed = self.lora.fixed_rows(b.lora_rows, size)
+            self.lora_take[: fixed.take.shape[0]].copy_(fixed.take)
+            self.lora_back[:size].copy_(fixed.back)
         if size > n:  # rows a previous step filled now pad: point them back at the spare block
             self.slots[n:size].fill_(self.spare_slot)
             self.table[n:size, 0].fill_(self.spare_block)
             self.lens[n:size].fill_(1)
         if not self.capture:
-            return self.forward(self._static(size))[:n]
-        self.graphs[size].replay()
+            return self.forward(self._static(size, lora, fixed))[:n]
+        self.graphs[(size, lora)].replay()
         return self.out[:n]

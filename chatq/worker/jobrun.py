@@ -28,6 +28,7 @@ from chatq.worker.deferred import beam_group, rank
 from chatq.worker.detokenize import Decoder, TextStream
 from chatq.worker.engine import Finish, Output, Sequence
 from chatq.worker.grammar import GrammarCompiler
+from chatq.worker.lora import Library, Weights
 from chatq.worker.plan import plan
 from chatq.worker.publish import JobEnd
 from chatq.worker.sampler import SamplingParams
@@ -50,8 +51,10 @@ class JobRun:
         settings: Settings,
         compiler: GrammarCompiler | None = None,
         clock: JobClock | None = None,
+        library: Library | None = None,
     ):
-        """`clock`: the job's times so far (from its claimed record), for its metrics."""
+        """`clock`: the job's times so far (from its claimed record), for its metrics. `library`: where its adapter,
+        if it has one, is read from; None: the worker serves none."""
         self.job = job
         self.model = model
         self.decoder = decoder
@@ -70,6 +73,7 @@ class JobRun:
         # The job's fields on the lines the engine loop logs about it (chatq.core.logs): those of the task thread
         # that submits it.
         self.log_extra = logs.current() or logs.job_extra(job.id)
+        self.library = library
         try:
             self._prepare(settings, compiler)
         except BadRequest as e:  # e.g. a schema the grammar engine cannot compile: the request's fault
@@ -80,6 +84,7 @@ class JobRun:
 
     def _prepare(self, settings: Settings, compiler: GrammarCompiler | None) -> None:
         job, req = self.job, self.job.request
+        self.lora = self._adapter()
         self.chunks = chunks.formatter_for(job)
         self.include_reasoning = req.include_reasoning if isinstance(req, ChatCompletionRequest) else True
         opts = req.stream_options
@@ -114,6 +119,15 @@ class JobRun:
                     beams.seqs.append(choice.seq)
                 self.choices.append(choice)
 
+    def _adapter(self) -> Weights | None:
+        """The weights of the job's adapter, read on this worker if it has not read them yet."""
+        adapter = self.job.adapter
+        if adapter is None:
+            return None
+        if self.library is None:
+            raise BadRequest(f"The workers of {self.job.model} serve no LoRA adapters.", "model")
+        return self.library.get(adapter)
+
     def _choice(
         self, index: int, p: int, prompt_ids: list[int], params: SamplingParams, echo: str, settings: Settings
     ) -> Choice:
@@ -126,6 +140,7 @@ class JobRun:
             priority=req.priority,
             format=self.plan.grammar,
             cache_salt=bytes.fromhex(self.job.cache_partition),
+            lora=self.lora,
         )
         # Tool-call markup may be special tokens (hermes' <tool_call> in Qwen): keep them for the parser to see.
         skip_special = req.skip_special_tokens and not (self.plan.tools_parsed and not self.plan.grammar)

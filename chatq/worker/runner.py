@@ -22,6 +22,7 @@ from chatq.worker.device import DeviceLost
 from chatq.worker.engine import Output, StepEngine
 from chatq.worker.grammar import GrammarCompiler
 from chatq.worker.jobrun import JobRun
+from chatq.worker.lora import Library
 from chatq.worker.publish import Outbox, Publisher, StepWrites, Written
 from chatq.worker.timing import JobClock
 
@@ -37,8 +38,11 @@ class Runner:
         *,
         settings: Settings,
         compiler: GrammarCompiler | None = None,
+        library: Library | None = None,
     ):
+        """`library`: the adapters its jobs run with, read as they come; None: it serves none."""
         self.make_engine = make_engine
+        self.library = library
         self.engine: StepEngine
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -87,7 +91,15 @@ class Runner:
     def submit(self, job: Job, log: list[Event] | None = None, clock: JobClock | None = None) -> JobRun:
         """Runs the job; with the log of an earlier attempt, from where that log stops. `clock`: its times so far
         (from its claimed record), for its metrics."""
-        run = JobRun(job, self.model, self.decoder, settings=self.settings, compiler=self.compiler, clock=clock)
+        run = JobRun(
+            job,
+            self.model,
+            self.decoder,
+            settings=self.settings,
+            compiler=self.compiler,
+            clock=clock,
+            library=self.library,
+        )
         if log is not None and run.choices:
             run.resume(log)
         self._new.put(run)

@@ -42,7 +42,8 @@ def test_the_gpu_benchmark_runs_with_none_of_the_service_packages(tmp_path):
     results = json.loads((tmp_path / "engine_results.json").read_text())
     assert results["facts"]["check_against_transformers_graphs0"] is True
     assert results["facts"]["check_against_transformers_graphs4"] is True
-    assert [(r["model"], r["complete"]) for r in results["results"]] == [("tiny", True)]
+    rows = [(r["model"], r["engine"], r["complete"]) for r in results["results"]]
+    assert rows == [("tiny", "chatq", True), ("tiny", "chatq+4lora", True)]
 
 
 def test_the_gpu_benchmarks_greedy_check_names_the_first_wrong_token(monkeypatch):

@@ -19,6 +19,7 @@ EXAMPLES = {
     keys.queued: ("m",),
     keys.models: (),
     keys.model: ("m",),
+    keys.adapters: (),
     keys.workers: ("m",),
     keys.worker: ("m@host-7#1a2b3c4d",),
     keys.running: ("m",),

@@ -162,3 +162,14 @@ def test_loading_keeps_its_own_build_and_deletes_those_unused_for_a_month():
         os.utime(directory / "chatq.lock", (month_ago, month_ago))
     assert cpu_kernels.load.__wrapped__() is not None
     assert own.is_dir() and not stale.exists()
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
+def test_lora_computes_each_runs_products_and_leaves_other_rows(dtype):
+    assert cpu_kernels.computes_lora(built_kernels(), dtype)
+
+
+def test_lora_refuses_a_run_past_the_rows():
+    x, a = torch.zeros(4, 8), torch.zeros(2, 8, 4)
+    with pytest.raises(RuntimeError, match="outside the slots or rows"):
+        built_kernels().lora(x, a, [torch.zeros(2, 4, 3)], [torch.zeros(4, 3)], torch.tensor([[1, 2, 5]]))
