@@ -5,6 +5,7 @@ answering as transformers + peft does on the same weights."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from chatq.core.chat_request import ChatCompletionRequest
 from chatq.core.render import Renderer
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import assert_error, build_tiny_model, make_adapter, peft_greedy, running_stack
+from tests.helpers import assert_error, build_tiny_model, make_adapter, peft_greedy, running_api, running_stack
 
 OPERATOR, ADMIN = "operator-key-0123456789", "admin-key-0123456789"
 QUESTION = "Name three colours of the rainbow."
@@ -34,6 +35,8 @@ class Stack:
     r: redis.Redis
     root: Path  # where the tests' adapters are made
     http: httpx.Client  # with the operator's key
+    settings: Settings
+    env: dict[str, str]
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=OPERATOR, max_retries=0, timeout=120)
@@ -54,12 +57,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     make_adapter(root / "static", rank=8, seed=1)
     server = EmbeddedRedis(tmp_path_factory.mktemp("adapters-redis"), persist=False).start()
     settings = Settings(redis_url=server.url, api_port=free_port(), api_keys=OPERATOR, admin_key=ADMIN)
-    env = {"CHATQ_ALLOW_RUNTIME_LORA_UPDATING": "true", "CHATQ_LORA_MODULES": f"static={root / 'static'}"}
+    env = {
+        "CHATQ_ALLOW_RUNTIME_LORA_UPDATING": "true",
+        "CHATQ_LORA_MODULES": f"static={root / 'static'}",
+        "CHATQ_FILES_DIR": str(tmp_path_factory.mktemp("adapters-files")),
+    }
     try:
         with running_stack(settings, tmp_path_factory.mktemp("adapters-logs"), env) as base:
             headers = {"Authorization": f"Bearer {OPERATOR}"}
             with httpx.Client(base_url=base, headers=headers, timeout=120) as http:
-                yield Stack(base, redis.Redis.from_url(server.url, decode_responses=True), root, http)
+                r = redis.Redis.from_url(server.url, decode_responses=True)
+                yield Stack(base, r, root, http, settings, env)
     finally:
         server.stop()
 
@@ -214,3 +222,32 @@ def test_an_adapter_a_worker_cannot_read_fails_its_jobs_alone(served, model_name
 
 def test_the_routes_are_not_served_unless_allowed(http):
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}).status_code == 404
+
+
+def test_a_batch_runs_its_lines_under_the_adapter_they_name(served):
+    client = served.openai()
+    body = {"model": "static", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0}
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    uploaded = client.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.time() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.time() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id, batch
+    [out] = [json.loads(text) for text in client.files.content(batch.output_file_id).text.splitlines()]
+    assert out["response"]["status_code"] == 200 and out["response"]["body"]["model"] == "static"
+
+
+def test_another_api_knows_the_adapters_the_first_loaded(served, tmp_path):
+    assert served.load("shared", make_adapter(served.root / "shared", rank=4, seed=7)).status_code == 200
+    other = served.settings.model_copy(update={"api_port": free_port()})
+    with running_api(other, tmp_path, served.env) as base:
+        deadline = time.time() + 10
+        while True:
+            listed = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {OPERATOR}"}).json()["data"]
+            if {"static", "shared"} <= {m["id"] for m in listed}:
+                break
+            assert time.time() < deadline, listed
+            time.sleep(0.2)
