@@ -495,8 +495,16 @@ class Engine:
             else:
                 prefills.append((seq, n))
                 budget -= n
-        # Newcomers join while prompt budget and cache room last; the rest wait in the worker's own queue, as do
-        # those whose adapter has no slot this step.
+        self._admit(prefills, budget)
+        if not decodes and not prefills and self.waiting:
+            self._unblock()
+        if self.forward.lora is not None:  # one adapter's rows side by side: its products take them together
+            decodes.sort(key=lambda entry: entry[0].lora_slot)
+        return decodes + prefills
+
+    def _admit(self, prefills: list[tuple[Sequence, int]], budget: int) -> None:
+        """Newcomers join (into `prefills`) while prompt budget and cache room last; the rest wait in the worker's
+        own queue, as do those whose adapter has no slot this step."""
         held: list[tuple[int, int, Sequence]] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0][2]
@@ -526,11 +534,6 @@ class Engine:
             budget -= n
         for entry in held:
             heapq.heappush(self.waiting, entry)
-        if not decodes and not prefills and self.waiting:
-            self._unblock()
-        if self.forward.lora is not None:  # one adapter's rows side by side: its products take them together
-            decodes.sort(key=lambda entry: entry[0].lora_slot)
-        return decodes + prefills
 
     def _slot(self, seq: Sequence) -> bool:
         """Gives the sequence its adapter's slot, swapping the adapter in if need be; False while every slot holds

@@ -22,6 +22,7 @@ from chatq.worker.lora import Library
 from chatq.worker.model import load_model
 from chatq.worker.sampler import SamplingParams
 from tests.helpers import make_adapter, model_info, peft_greedy
+from tests.worker.test_engine import run
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from 1 to 10."]
 NEW = 16
@@ -68,17 +69,6 @@ def reference(made, prompts) -> dict[str | None, list[list[int]]]:
     return {name: peft_greedy(made[name].path if name else None, prompts, NEW) for name in [None, *made]}
 
 
-def run(engine: Engine, seqs: list[Sequence]) -> dict[str, list[int]]:
-    for s in seqs:
-        engine.add(s)
-    done = {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finish:
-                done[out.seq.id] = out.seq.output_ids
-    return done
-
-
 def mixed(library: Library, made: dict[str, Adapter], prompts: list[list[int]]) -> list[Sequence]:
     """Every prompt under the base model and under each adapter, interleaved."""
     seqs = []
@@ -103,7 +93,7 @@ def test_a_batch_mixing_adapters_and_the_base_model_answers_as_peft_does(
     library = Library(spec, torch.float32, capacity=8)
     done = run(engine, mixed(library, made, prompts))
     for name in [None, *made]:
-        assert [done[f"{name}/{p}"] for p in range(len(prompts))] == reference[name], name
+        assert [done[f"{name}/{p}"].output_ids for p in range(len(prompts))] == reference[name], name
     assert reference["one"] != reference[None] and reference["two"] != reference["one"]
 
 
@@ -130,7 +120,7 @@ def test_decode_steps_in_fixed_buffers_mix_adapters_as_eager_ones(model, spec, m
     library = Library(spec, torch.float32, capacity=8)
     done = run(engine, mixed(library, made, prompts))
     for name in [None, *made]:
-        assert [done[f"{name}/{p}"] for p in range(len(prompts))] == reference[name], name
+        assert [done[f"{name}/{p}"].output_ids for p in range(len(prompts))] == reference[name], name
 
 
 def test_an_adapters_prompt_finds_none_of_the_models_cached_blocks(model, spec, made, prompts):
