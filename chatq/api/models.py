@@ -88,6 +88,8 @@ class Models:
             reading.exception()  # retrieved here too, so a failure nobody awaited is not reported as lost
 
     async def _read(self) -> None:
+        # A reading is as old as its replies: loading a new model's tokenizer can outlast a caller's max age.
+        taken = time.monotonic()
         try:
             names: list[str] = sorted(await self.redis.smembers(keys.models()))  # type: ignore[misc,arg-type]
             since = time.time() - self.settings.worker_ttl
@@ -106,7 +108,7 @@ class Models:
         self.served = {n: m for n, m in self.served.items() if digests.get(n) is not None}
         self.workers = {n: w for n, w in zip(names, replies[1::2], strict=True) if n in self.served}
         self.adapters = known
-        self.read_at = time.monotonic()
+        self.read_at = taken
 
     async def _load(self, name: str) -> None:
         fields: dict[str, Any] = await self.redis.hgetall(keys.model(name))  # type: ignore[misc,assignment]

@@ -3,6 +3,7 @@ one with no model files of its own, routing every request to its model's queue."
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -10,12 +11,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
+import redis.asyncio as aioredis
 
+from chatq.api.models import Models
 from chatq.cli import api_command
-from chatq.core import keys
+from chatq.core import keys, registry
 from chatq.core.settings import Settings
 from chatq.embedded_redis import EmbeddedRedis, free_port
-from tests.helpers import Cluster, assert_error, build_tiny_model
+from tests.helpers import Cluster, assert_error, build_tiny_model, model_info
 
 TINY = "tiny-chat"
 DEFAULT = Settings().model_name
@@ -152,3 +156,30 @@ def test_an_unknown_model_is_a_404_everywhere(http: httpx.Client):
 def test_a_long_unknown_name_is_not_repeated_whole(http: httpx.Client):
     error = assert_error(chat(http, "m" * 100_000), 404, "NotFoundError", "model")
     assert len(error["message"]) < 300 and error["message"].startswith("The model `mmm")
+
+
+async def test_a_reading_that_outlasts_a_worker_start_does_not_hide_it(tmp_path: Path):
+    """A reading of the registry spent loading a new model's tokenizer while a second worker came: the next caller
+    who wants a fresh count reads again rather than take the first reading's, which predates that worker."""
+    server = EmbeddedRedis(tmp_path, persist=False).start()
+    client = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        fields = registry.entry(model_info())
+        registry.register(redis.Redis.from_url(server.url, decode_responses=True), fields)
+        await client.zadd(keys.workers(DEFAULT), {"w1@test": time.time()})
+        models, loading = Models(client, Settings(redis_url=server.url)), asyncio.Event()
+
+        async def slow_off_loop(fn, *args):
+            await loading.wait()
+            return fn(*args)
+
+        models.off_loop = slow_off_loop  # type: ignore[method-assign]
+        first = asyncio.create_task(models.live())
+        await asyncio.sleep(0.3)  # the reading has its replies and is loading the model
+        await client.zadd(keys.workers(DEFAULT), {"w2@test": time.time()})
+        loading.set()
+        assert [(m.name, n) for m, n in await first] == [(DEFAULT, 1)]
+        assert [(m.name, n) for m, n in await models.live()] == [(DEFAULT, 2)]
+    finally:
+        await client.aclose()
+        server.stop()
